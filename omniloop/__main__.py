@@ -1,0 +1,3 @@
+from omniloop.serve.cli import main
+
+raise SystemExit(main())
