@@ -74,6 +74,7 @@ class SpeechRequest(msgspec.Struct, tag="speech", omit_defaults=True, frozen=Tru
     sampling: Sampling = Sampling()
     max_frames: int | None = None
     initial_chunk_frames: int | None = None  # first codec chunk size, frames
+    return_codes: bool = False  # also stream the generated codes (int64 [n,16]) beside the PCM
 
 
 class ChatRequest(msgspec.Struct, tag="chat", omit_defaults=True, frozen=True, forbid_unknown_fields=True):
