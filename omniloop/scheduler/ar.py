@@ -1,0 +1,315 @@
+"""The talker scheduler: continuous batching with chunked prefill, KV block accounting, parking,
+deadline ordering, and async overlap (``schedule`` runs again before the previous step's ``update``).
+
+Async overlap works by advancing counters at schedule time: a request's next decode is planned while
+its previous step is still on the GPU, which feeds the sampled frame from device memory. A stop is
+therefore learned one step late; the request finishes in that ``update`` and every later in-flight
+step's output for it is dropped (fenced: nothing after a stop is ever emitted).
+
+No preemption: admission grows the request's block table to its worst case (prompt + max_frames),
+so a decode never runs out of blocks. A TTS request's worst case is known up front and bounded by
+the codec frame limit, so this costs capacity but never a recompute. A prompt that grows (``extend``)
+is covered again before its next piece is scheduled; if blocks are short it simply waits for
+finishing requests to return theirs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omniloop.scheduler.interface import Emit
+from omniloop.scheduler.kv_blocks import BlockPool
+from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan, ArStepResult
+from omniloop.scheduler.policy import Playback, by_deadline
+from omniloop.scheduler.request import ArPrompt, ArRequest, ArState
+from omniloop.scheduler.slots import SlotPool
+from omniloop.transport.messages import Chunk, Finish, Reason, Submit
+
+Prepare = Callable[[str, Any, dict[str, Any]], ArPrompt]
+CountTokens = Callable[[Any, dict[str, Any]], int]
+_NORMAL_END = (Reason.STOP.value, Reason.LENGTH.value)
+
+
+@dataclass(frozen=True, slots=True)
+class ArConfig:
+    stage: str = "talker"
+    max_num_seqs: int = 64
+    max_num_tokens: int = 8192  # positions fed per step, all requests together
+    num_kv_blocks: int = 4096
+    block_size: int = 16
+    max_codec_frames: int | None = None  # hard limit: reaching it ends with codec_limit
+
+
+def _count_first_array(chunk: Any, arrays: dict[str, Any]) -> int:
+    """Default for ``extend``: one prompt token per row of the chunk's first array."""
+    return len(next(iter(arrays.values()))) if arrays else 0
+
+
+class ArScheduler:
+    def __init__(
+        self,
+        config: ArConfig,
+        prepare: Prepare | None = None,
+        count_tokens: CountTokens = _count_first_array,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self._prepare = prepare
+        self._count_tokens = count_tokens
+        self._clock = clock
+        self._blocks = BlockPool(config.num_kv_blocks, config.block_size)
+        self._slots = SlotPool(config.max_num_seqs)
+        self._reqs: dict[str, ArRequest] = {}  # every request not finished
+        self._waiting: dict[str, ArRequest] = {}
+        self._seated: dict[str, ArRequest] = {}
+        # step_id -> the request objects of that plan, aligned with plan.seqs. Identity, not ids,
+        # decides whether a result still belongs to a live request (ids may be reused after an abort).
+        self._in_flight: dict[int, list[ArRequest]] = {}
+        self._next_step_id = 0
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def add(self, req_id: str, submit: Any, arrays: dict[str, Any] | None = None) -> list[Emit]:
+        if req_id in self._reqs:  # not raise: an exception here would take the whole actor down
+            error = f"duplicate request id {req_id!r}: already in stage {self.config.stage!r}"
+            return [Emit("frontend", Finish(req_id, Reason.ERROR.value, error=error, stage=self.config.stage))]
+        try:
+            prompt = self._prepare(req_id, submit, arrays or {}) if self._prepare else submit
+        except Exception as exc:  # bad input (unknown speaker, text too long...) ends this request only
+            error = f"{type(exc).__name__}: {exc}"
+            return [Emit("frontend", Finish(req_id, Reason.ERROR.value, error=error, stage=self.config.stage))]
+        if not isinstance(prompt, ArPrompt):  # a wiring bug, not a request's fault
+            raise TypeError(f"add() needs an ArPrompt (or a prepare function), got {type(prompt).__name__}")
+        limit = self.config.max_codec_frames
+        is_codec_limited = limit is not None and limit < prompt.max_frames
+        req = ArRequest(
+            req_id=req_id,
+            num_prompt_tokens=prompt.num_prompt_tokens,
+            max_frames=limit if is_codec_limited else prompt.max_frames,
+            is_codec_limited=is_codec_limited,
+            is_input_complete=prompt.is_input_complete,
+            priority=prompt.priority,
+            playback=Playback(arrival=self._clock() if prompt.arrival is None else prompt.arrival),
+            payload=prompt.payload,
+        )
+        if error := self._check(req):
+            return [self._finish(req, Reason.ERROR.value, error)]
+        self._reqs[req_id] = req
+        self._waiting[req_id] = req
+        # The codec stage learns of the request (and its first-chunk size) from the Submit itself;
+        # its arrays (reference audio) stay here.
+        return [Emit("next", submit)] if isinstance(submit, Submit) else []
+
+    def extend(self, req_id: str, chunk: Any, arrays: dict[str, Any] | None = None) -> list[Emit]:
+        req = self._reqs.get(req_id)
+        if req is None or req.is_input_complete:
+            return []  # aborted, or a late chunk after the prompt was closed
+        req.num_prompt_tokens += self._count_tokens(chunk, arrays or {})
+        if arrays:
+            req.pending_inputs.append(arrays)
+        return self._on_input(req, is_complete=bool(getattr(chunk, "final", False)))
+
+    def finish_upstream(self, req_id: str, finish: Finish) -> list[Emit]:
+        req = self._reqs.get(req_id)
+        if req is None:
+            return []
+        if finish.reason in _NORMAL_END:
+            return self._on_input(req, is_complete=True) if not req.is_input_complete else []
+        self._release(req)
+        return [Emit("next", finish)]
+
+    def abort(self, req_id: str) -> None:
+        req = self._reqs.get(req_id)
+        if req is not None:
+            self._release(req)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def schedule(self) -> ArStepPlan | None:
+        now = self._clock()
+        plan = ArStepPlan(step_id=self._next_step_id, seqs=[])
+        reqs: list[ArRequest] = []
+        budget = self.config.max_num_tokens
+        # Seated and waiting requests compete by deadline alike (a waiting one is dry since arrival).
+        # The first waiting request short of blocks stops admission, so a large request is not
+        # starved by smaller ones behind it.
+        is_admission_blocked = False
+        for req in by_deadline([*self._seated.values(), *self._waiting.values()], now):
+            if budget == 0:
+                break
+            num_tokens, is_sample = self._next_piece(req, budget)
+            if num_tokens == 0:
+                if req.state is not ArState.WAITING and not req.is_input_complete:
+                    req.state = ArState.PARKED
+                continue  # a waiting request with nothing to feed would only sit on a seat
+            if req.state is ArState.WAITING:
+                if is_admission_blocked or self._slots.num_free == 0:
+                    continue
+                if not self._blocks.grow(req.block_table, req.num_tokens_max):
+                    is_admission_blocked = True
+                    continue
+                self._seat(plan, req)
+            elif not self._blocks.grow(req.block_table, req.num_tokens_max):
+                continue  # a grown prompt waits for blocks that finishing requests return
+            budget -= self._push(plan, reqs, req, num_tokens, is_sample)
+        if not plan.seqs:
+            return None
+        self._next_step_id += 1
+        self._in_flight[plan.step_id] = reqs
+        return plan
+
+    def update(self, plan: ArStepPlan, result: ArStepResult) -> list[Emit]:
+        emits: list[Emit] = []
+        now = self._clock()
+        for i, (seq, req) in enumerate(zip(plan.seqs, self._in_flight.pop(plan.step_id, ()))):
+            if not seq.is_sample or req.is_finished:
+                continue  # a finished request's later output is fenced off here
+            if result.is_stop[i]:
+                emits.append(self._chunk(req, None, Reason.STOP.value))
+                self._release(req)
+                continue
+            codes = np.array(result.codes[i : i + 1], dtype=np.int64)  # a copy: the result's buffer gets recycled
+            req.num_frames += 1
+            req.playback.on_audio(1, now)
+            if req.num_frames < req.max_frames:
+                emits.append(self._chunk(req, codes, None))
+            elif req.is_codec_limited:
+                emits.append(self._chunk(req, codes, None))
+                error = f"reached the codec frame limit of {req.max_frames} frames"
+                emits.append(self._finish(req, Reason.CODEC_LIMIT.value, error))
+            else:
+                emits.append(self._chunk(req, codes, Reason.LENGTH.value))
+                self._release(req)
+        return emits
+
+    def fail(self, plan: ArStepPlan, error: BaseException) -> list[Emit]:
+        emits = []
+        for req in self._in_flight.pop(plan.step_id, ()):
+            if not req.is_finished:
+                message = f"stage {self.config.stage!r} step failed: {type(error).__name__}: {error}"
+                emits.append(self._finish(req, Reason.ERROR.value, message))
+        return emits
+
+    # -- introspection --------------------------------------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a seat, parked ones included."""
+        return len(self._seated)
+
+    @property
+    def num_parked(self) -> int:
+        return sum(req.state is ArState.PARKED for req in self._seated.values())
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._blocks.num_free
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._slots.num_free
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def state_of(self, req_id: str) -> ArState | None:
+        req = self._reqs.get(req_id)
+        return req.state if req else None
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _next_piece(self, req: ArRequest, budget: int) -> tuple[int, bool]:
+        """(positions to feed, whether to sample after them) for this request's next step."""
+        if ready := req.num_prefill_ready:
+            num_tokens = min(ready, budget)
+            is_last_piece = req.is_input_complete and req.num_computed + num_tokens == req.num_prompt_tokens
+            return num_tokens, is_last_piece
+        if req.can_decode:
+            return 1, True
+        return 0, False
+
+    def _seat(self, plan: ArStepPlan, req: ArRequest) -> None:
+        req.slot = self._slots.acquire()
+        del self._waiting[req.req_id]
+        self._seated[req.req_id] = req
+        plan.new.append(ArNew(req.req_id, req.slot, req.payload))
+
+    def _push(self, plan: ArStepPlan, reqs: list[ArRequest], req: ArRequest, num_tokens: int, is_sample: bool) -> int:
+        is_decode = req.num_computed >= req.num_prompt_tokens
+        block_ids = None
+        if len(req.block_table) != req.num_blocks_sent:
+            block_ids = tuple(req.block_table)
+            req.num_blocks_sent = len(req.block_table)
+        plan.seqs.append(ArSeq(req.req_id, req.slot, req.num_computed, num_tokens, is_sample, is_decode, block_ids))
+        plan.inputs.extend((req.slot, arrays) for arrays in req.pending_inputs)
+        req.pending_inputs.clear()
+        reqs.append(req)
+        req.num_computed += num_tokens
+        req.num_scheduled_frames += is_sample
+        req.state = ArState.RUNNING if req.num_computed >= req.num_prompt_tokens else ArState.PREFILLING
+        return num_tokens
+
+    def _on_input(self, req: ArRequest, is_complete: bool) -> list[Emit]:
+        req.is_input_complete = is_complete
+        if req.state is ArState.PARKED:
+            req.state = ArState.PREFILLING
+        if error := self._check(req):
+            return [self._finish(req, Reason.ERROR.value, error)]
+        return []
+
+    def _check(self, req: ArRequest) -> str | None:
+        """A request-scoped error, or None. Runs at add and whenever the prompt grows."""
+        if req.max_frames < 1:
+            return f"max_frames must be >= 1, got {req.max_frames}"
+        if req.is_input_complete and req.num_prompt_tokens < 1:
+            return "empty prompt"
+        num_blocks = self._blocks.blocks_for(req.num_tokens_max)
+        if num_blocks > self._blocks.num_blocks:
+            return (
+                f"needs {num_blocks} KV blocks ({req.num_tokens_max} positions), "
+                f"stage {self.config.stage!r} has {self._blocks.num_blocks}"
+            )
+        return None
+
+    def _chunk(self, req: ArRequest, codes: np.ndarray | None, reason: str | None) -> Emit:
+        chunk = Chunk(req_id=req.req_id, seq=req.num_chunks, final=reason is not None, reason=reason,
+                      stage=self.config.stage)
+        req.num_chunks += 1
+        return Emit("next", chunk, {"codes": codes} if codes is not None else None)
+
+    def _finish(self, req: ArRequest, reason: str, error: str | None) -> Emit:
+        """Errors skip the rest of the pipeline (the actor aborts the request downstream); a codec
+        limit travels on, behind the frames already sent, so the audio so far still plays."""
+        self._release(req)
+        finish = Finish(req_id=req.req_id, reason=reason, error=error, stage=self.config.stage,
+                        num_frames=req.num_frames)
+        return Emit("frontend" if reason == Reason.ERROR.value else "next", finish)
+
+    def _release(self, req: ArRequest) -> None:
+        """Free seat, slot and blocks at once. Safe with the request still in an in-flight step:
+        steps run in stream order, so that step is done with them before a later step reuses them."""
+        if req.is_finished:
+            return
+        req.state = ArState.FINISHED
+        self._blocks.free(req.block_table)
+        if req.slot >= 0:
+            self._slots.release(req.slot)
+            req.slot = -1
+        self._waiting.pop(req.req_id, None)
+        self._seated.pop(req.req_id, None)
+        if self._reqs.get(req.req_id) is req:
+            del self._reqs[req.req_id]

@@ -1,0 +1,242 @@
+"""The codec-stage scheduler: batches streaming decode steps of code frames into PCM.
+
+Chunk sizes ramp: a request's first chunk is small (``initial_frames``) so first audio leaves early,
+then each chunk doubles up to ``frames``, so the client's buffer grows faster than it plays. When the
+stage is idle (no step in flight) a request that would run dry before its next full chunk is
+decoded with whatever frames it has (at least 1): the GPU has nothing better to do. Under
+contention requests nearest to running dry go first, and ``max_frames_per_step`` caps a step.
+
+Decoder state (sliding-window cache, conv tails) lives in the runner per slot and steps run in
+stream order, so a request may be scheduled again while its previous step is still in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omniloop.scheduler.interface import Emit
+from omniloop.scheduler.plan import CodecSeq, CodecStepPlan, CodecStepResult
+from omniloop.scheduler.policy import FRAME_S, Playback, by_deadline
+from omniloop.scheduler.request import CodecRequest
+from omniloop.scheduler.slots import SlotPool
+from omniloop.transport.messages import Chunk, Finish, Reason
+
+# Upstream ends after which the audio so far is still worth playing: drain it, then finish.
+_DRAIN_REASONS = (Reason.STOP.value, Reason.LENGTH.value, Reason.CODEC_LIMIT.value)
+_NUM_ENDED_REMEMBERED = 4096  # late chunks of ended requests must not bring them back
+
+
+@dataclass(frozen=True, slots=True)
+class CodecConfig:
+    stage: str = "codec"
+    max_num_seqs: int = 64  # decoder state slots
+    max_frames_per_step: int = 512
+    initial_frames: int = 2  # first chunk (per-request override: SpeechRequest.initial_chunk_frames)
+    frames: int = 25  # largest chunk
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.initial_frames <= self.frames <= self.max_frames_per_step:
+            raise ValueError(
+                "need 1 <= initial_frames <= frames <= max_frames_per_step, got "
+                f"{self.initial_frames}, {self.frames}, {self.max_frames_per_step}"
+            )
+
+
+class CodecScheduler:
+    def __init__(self, config: CodecConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._slots = SlotPool(config.max_num_seqs)
+        self._reqs: dict[str, CodecRequest] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._in_flight: dict[int, list[CodecRequest]] = {}  # step_id -> requests aligned with plan.seqs
+        self._next_step_id = 0
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def add(self, req_id: str, submit: Any = None, arrays: dict[str, Any] | None = None) -> list[Emit]:
+        req = self._get(req_id)
+        request = getattr(submit, "request", None)
+        frames = getattr(request, "initial_chunk_frames", None)
+        if req is not None and frames:
+            req.initial_frames = max(1, min(int(frames), self.config.frames))
+        return []
+
+    def extend(self, req_id: str, chunk: Any, arrays: dict[str, Any] | None = None) -> list[Emit]:
+        """Upstream frames arrive; a request seen for the first time here is created."""
+        req = self._get(req_id)
+        if req is None:
+            return []
+        codes = (arrays or {}).get("codes")
+        if codes is not None and len(codes):
+            codes = np.asarray(codes, dtype=np.int64)
+            if codes.ndim != 2:
+                return [self._finish(req, Reason.ERROR.value, f"codes must be [n, groups], got {codes.shape}")]
+            req.pending.append(codes)
+            req.num_received += len(codes)
+        if getattr(chunk, "final", False):
+            req.final_reason = chunk.reason or Reason.STOP.value
+        return self._maybe_finish(req)
+
+    def finish_upstream(self, req_id: str, finish: Finish) -> list[Emit]:
+        if finish.reason in _DRAIN_REASONS:
+            req = self._get(req_id)
+            if req is None:
+                return []
+            req.final_reason, req.final_error = finish.reason, finish.error
+            return self._maybe_finish(req)
+        req = self._reqs.get(req_id)
+        if req is not None:
+            self._release(req)
+        elif req_id in self._ended:
+            return []
+        self._remember_ended(req_id)
+        return [Emit("next", finish)]
+
+    def abort(self, req_id: str) -> None:
+        req = self._reqs.get(req_id)
+        if req is not None:
+            self._release(req)
+        self._remember_ended(req_id)
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def schedule(self) -> CodecStepPlan | None:
+        now = self._clock()
+        is_idle = not self._in_flight
+        budget = self.config.max_frames_per_step
+        plan = CodecStepPlan(step_id=self._next_step_id, seqs=[])
+        reqs: list[CodecRequest] = []
+        ready = [req for req in self._reqs.values() if req.num_available]
+        for req in by_deadline(ready, now):
+            if budget == 0:
+                break
+            size = self._chunk_size(req)
+            if req.final_reason is None and req.num_available < self._min_frames(req, size, is_idle, now):
+                continue
+            if req.slot < 0:
+                slot = self._slots.acquire()
+                if slot is None:
+                    continue  # a request that already holds a slot may still go
+                req.slot = slot
+            num_frames = min(req.num_available, size, budget)
+            start = req.num_scheduled
+            codes = req.take(num_frames)
+            is_last = req.final_reason is not None and req.num_available == 0
+            plan.seqs.append(CodecSeq(req.req_id, req.slot, start, start + num_frames, codes, start == 0, is_last))
+            reqs.append(req)
+            req.num_steps += 1
+            budget -= num_frames
+        if not plan.seqs:
+            return None
+        self._next_step_id += 1
+        self._in_flight[plan.step_id] = reqs
+        return plan
+
+    def update(self, plan: CodecStepPlan, result: CodecStepResult | Sequence[np.ndarray]) -> list[Emit]:
+        pcms = result.pcm if isinstance(result, CodecStepResult) else result
+        emits: list[Emit] = []
+        now = self._clock()
+        for seq, req, pcm in zip(plan.seqs, self._in_flight.pop(plan.step_id, ()), pcms):
+            if req.is_finished:
+                continue
+            req.num_done = seq.end
+            req.playback.on_audio(seq.end - seq.start, now)
+            is_final = req.final_reason is not None and req.num_done == req.num_received
+            emits.append(self._chunk(req, pcm, req.final_reason if is_final else None))
+            if is_final:
+                emits.append(self._finish(req, req.final_reason, req.final_error))
+        return emits
+
+    def fail(self, plan: CodecStepPlan, error: BaseException) -> list[Emit]:
+        emits = []
+        for req in self._in_flight.pop(plan.step_id, ()):
+            if not req.is_finished:
+                message = f"stage {self.config.stage!r} step failed: {type(error).__name__}: {error}"
+                emits.append(self._finish(req, Reason.ERROR.value, message))
+        return emits
+
+    # -- introspection --------------------------------------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a decoder state slot."""
+        return self.config.max_num_seqs - self._slots.num_free
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._reqs) - self.num_running
+
+    @property
+    def num_free_slots(self) -> int:
+        return self._slots.num_free
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _chunk_size(self, req: CodecRequest) -> int:
+        """The ramp: initial_frames, doubling each step, up to ``frames``."""
+        return min(self.config.frames, req.initial_frames << min(req.num_steps, 16))
+
+    def _min_frames(self, req: CodecRequest, size: int, is_idle: bool, now: float) -> int:
+        """Frames this request should have before its next chunk is worth a step."""
+        if is_idle and req.playback.slack(now) < size * FRAME_S:
+            return 1  # idle stage, and the client would run dry before a full chunk: go now
+        return size
+
+    def _get(self, req_id: str) -> CodecRequest | None:
+        """The live request, created on first sight; None if it already ended here."""
+        req = self._reqs.get(req_id)
+        if req is None and req_id not in self._ended:
+            req = CodecRequest(req_id, self.config.initial_frames, Playback(arrival=self._clock()))
+            self._reqs[req_id] = req
+        return req
+
+    def _maybe_finish(self, req: CodecRequest) -> list[Emit]:
+        """Upstream ended and every frame's pcm is out (nothing pending or in flight): finish now."""
+        if req.final_reason is None or req.num_done != req.num_received:
+            return []
+        return [self._chunk(req, None, req.final_reason), self._finish(req, req.final_reason, req.final_error)]
+
+    def _chunk(self, req: CodecRequest, pcm: np.ndarray | None, reason: str | None) -> Emit:
+        chunk = Chunk(req_id=req.req_id, seq=req.num_chunks, final=reason is not None, reason=reason,
+                      stage=self.config.stage)
+        req.num_chunks += 1
+        return Emit("next", chunk, {"pcm": pcm} if pcm is not None else None)
+
+    def _finish(self, req: CodecRequest, reason: str, error: str | None) -> Emit:
+        self._release(req)
+        finish = Finish(req_id=req.req_id, reason=reason, error=error, stage=self.config.stage,
+                        num_frames=req.num_done)
+        return Emit("frontend" if reason == Reason.ERROR.value else "next", finish)
+
+    def _release(self, req: CodecRequest) -> None:
+        if req.is_finished:
+            return
+        req.is_finished = True
+        req.pending.clear()
+        if req.slot >= 0:
+            self._slots.release(req.slot)
+            req.slot = -1
+        if self._reqs.get(req.req_id) is req:
+            del self._reqs[req.req_id]
+        self._remember_ended(req.req_id)
+
+    def _remember_ended(self, req_id: str) -> None:
+        self._ended[req_id] = None
+        self._ended.move_to_end(req_id)
+        if len(self._ended) > _NUM_ENDED_REMEMBERED:
+            self._ended.popitem(last=False)

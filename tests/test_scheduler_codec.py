@@ -1,0 +1,161 @@
+"""Codec-stage scheduler on CPU with hand-made PCM results."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from omniloop.scheduler.codec import CodecConfig, CodecScheduler
+from omniloop.scheduler.plan import CodecStepPlan, CodecStepResult
+from omniloop.scheduler.policy import SAMPLES_PER_FRAME
+from omniloop.transport.messages import Chunk, Finish, SpeechRequest, Submit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(clock: Clock | None = None, **config) -> CodecScheduler:
+    return CodecScheduler(CodecConfig(**config), clock=clock or Clock())
+
+
+def codes(start: int, n: int) -> dict:
+    """Frames numbered start..start+n-1 (the number sits in every codebook)."""
+    return {"codes": np.repeat(np.arange(start, start + n, dtype=np.int64)[:, None], 16, axis=1)}
+
+
+def send(sched, req_id: str, start: int, n: int, final: bool = False, reason: str = "stop"):
+    chunk = Chunk(req_id=req_id, seq=start, final=final, reason=reason if final else None)
+    return sched.extend(req_id, chunk, codes(start, n))
+
+
+def decode(plan: CodecStepPlan) -> CodecStepResult:
+    """A fake decoder: each frame becomes 1920 samples holding its frame number."""
+    return CodecStepResult([np.repeat(seq.codes[:, 0].astype(np.float32), SAMPLES_PER_FRAME) for seq in plan.seqs])
+
+
+def pcm_of(emits, req_id: str) -> np.ndarray:
+    parts = [e.arrays["pcm"] for e in emits if e.msg.req_id == req_id and e.arrays]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def sizes(plan: CodecStepPlan) -> list[tuple[str, int]]:
+    return [(seq.req_id, seq.end - seq.start) for seq in plan.seqs]
+
+
+def test_first_chunk_is_one_frame_when_idle_and_initial_frames_when_busy():
+    sched = make(initial_frames=2)
+    send(sched, "a", 0, 1)
+    first = sched.schedule()
+    assert sizes(first) == [("a", 1)] and first.seqs[0].is_first
+    send(sched, "b", 0, 1)
+    assert sched.schedule() is None  # busy (a's step in flight): b waits for its 2 initial frames
+    send(sched, "b", 1, 1)
+    assert sizes(sched.schedule()) == [("b", 2)]
+
+
+def test_chunks_ramp_up_then_flush_everything_once():
+    sched = make(initial_frames=2, frames=25)
+    sched.add("a", Submit(req_id="a", request=SpeechRequest(text="hi", initial_chunk_frames=3)))
+    send(sched, "a", 0, 100, final=True, reason="length")
+    emits, steps = [], []
+    while plan := sched.schedule():
+        steps.append(plan.seqs[0].end - plan.seqs[0].start)
+        emits += sched.update(plan, decode(plan))
+    assert steps == [3, 6, 12, 24, 25, 25, 5]
+    expected = np.repeat(np.arange(100, dtype=np.float32), SAMPLES_PER_FRAME)
+    assert np.array_equal(pcm_of(emits, "a"), expected)  # nothing lost, duplicated or reordered
+    assert [e.msg.seq for e in emits if isinstance(e.msg, Chunk)] == list(range(7))
+    final, finish = emits[-2].msg, emits[-1].msg
+    assert final.final and final.reason == "length" and emits[-2].arrays is not None
+    assert isinstance(finish, Finish) and finish.reason == "length" and finish.num_frames == 100
+    assert sched.num_requests == 0 and sched.num_free_slots == 64
+
+
+def test_final_while_in_flight_rides_on_the_last_pcm():
+    sched = make(initial_frames=4)
+    send(sched, "a", 0, 4)
+    plan = sched.schedule()
+    assert not plan.seqs[0].is_last  # upstream has not finished yet
+    assert send(sched, "a", 4, 0, final=True) == []  # the pcm of frames 0..3 is still in flight
+    emits = sched.update(plan, decode(plan))
+    assert [(type(e.msg), getattr(e.msg, "final", None)) for e in emits] == [(Chunk, True), (Finish, None)]
+    assert len(pcm_of(emits, "a")) == 4 * SAMPLES_PER_FRAME
+
+
+def test_final_after_everything_decoded_finishes_at_once():
+    sched = make()
+    send(sched, "a", 0, 2)
+    plan = sched.schedule()
+    sched.update(plan, decode(plan))
+    emits = send(sched, "a", 2, 0, final=True)
+    assert [type(e.msg) for e in emits] == [Chunk, Finish] and emits[0].msg.final and emits[0].arrays is None
+    assert emits[1].msg.num_frames == 2 and sched.num_requests == 0
+
+
+def test_codec_limit_drains_audio_then_finishes_with_the_error():
+    sched = make()
+    send(sched, "a", 0, 3)
+    emits = sched.finish_upstream("a", Finish(req_id="a", reason="codec_limit", error="limit of 3 frames"))
+    assert emits == []
+    while plan := sched.schedule():
+        emits += sched.update(plan, decode(plan))
+    assert len(pcm_of(emits, "a")) == 3 * SAMPLES_PER_FRAME
+    assert (emits[-1].msg.reason, emits[-1].msg.error) == ("codec_limit", "limit of 3 frames")
+
+
+def test_upstream_error_drops_frames_and_forwards_the_finish():
+    sched = make()
+    send(sched, "a", 0, 5)
+    plan = sched.schedule()
+    emits = sched.finish_upstream("a", Finish(req_id="a", reason="error", error="talker failed"))
+    assert [(e.msg.reason, e.msg.error) for e in emits] == [("error", "talker failed")]
+    assert sched.update(plan, decode(plan)) == []  # in-flight pcm of a failed request is dropped
+    assert send(sched, "a", 5, 3) == [] and sched.schedule() is None  # a late chunk does not revive it
+    assert sched.num_requests == 0 and sched.num_free_slots == 64
+
+
+def test_abort_in_flight_frees_the_slot_and_ignores_late_results():
+    sched = make(max_num_seqs=1)
+    send(sched, "a", 0, 2)
+    send(sched, "b", 0, 2)
+    plan = sched.schedule()
+    assert sizes(plan) == [("a", 2)]  # one decoder slot: b waits for it
+    sched.abort("a")
+    sched.abort("a")
+    assert sched.num_free_slots == 1 and sched.update(plan, decode(plan)) == []
+    plan = sched.schedule()
+    assert sizes(plan) == [("b", 2)] and plan.seqs[0].is_first
+
+
+def test_fail_finishes_the_plans_requests_with_error():
+    sched = make()
+    send(sched, "a", 0, 3)
+    send(sched, "b", 0, 3)
+    plan = sched.schedule()
+    emits = sched.fail(plan, RuntimeError("decoder exploded"))
+    assert sorted((e.msg.req_id, e.msg.reason) for e in emits) == [("a", "error"), ("b", "error")]
+    assert sched.num_requests == 0 and sched.num_free_slots == 64
+
+
+def test_step_budget_and_deadline_order():
+    clock = Clock()
+    sched = make(clock, max_frames_per_step=4, initial_frames=2, frames=4)
+    send(sched, "a", 0, 2)
+    clock.now = 0.1
+    send(sched, "b", 0, 2)
+    plan = sched.schedule()
+    assert sizes(plan) == [("a", 2), ("b", 2)]  # both dry, a waited longer
+    sched.update(plan, decode(plan))
+    send(sched, "a", 2, 4)
+    send(sched, "b", 2, 4)
+    clock.now = 0.1 + 0.12  # both played 120 of 160 ms; sent at the same time, equal slack
+    plan = sched.schedule()
+    assert plan.num_frames == 4 and sizes(plan) == [("a", 4)]  # the budget caps the step
+    sched.update(plan, decode(plan))
+    clock.now += 0.01
+    send(sched, "a", 6, 4)
+    assert sizes(sched.schedule()) == [("b", 4)]  # b is now the one closest to running dry
