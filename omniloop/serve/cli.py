@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory from which ref_audio may be given as a path (repeatable)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    p.add_argument("--max-body-bytes", type=int, default=32 * 1024 * 1024, metavar="N",
+                   help="largest accepted HTTP request body (413 beyond it)")
     _common(p)
 
     p = sub.add_parser("speak", help="synthesize one utterance to a WAV file (all stages in this process)")

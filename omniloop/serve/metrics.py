@@ -110,28 +110,25 @@ class ServeMetrics:
 
 
 def _render_engine_stats(stats: dict[str, Any]) -> list[str]:
-    """Flatten ``engine.stats()``: per-stage records become ``omniloop:stage_<field>{stage=...}``
-    gauges, top-level numbers ``omniloop:engine_<key>``; non-numeric values are skipped."""
-    per_name: dict[str, list[str]] = defaultdict(list)
+    """``engine.stats()`` as gauges: top-level numbers -> ``omniloop:engine_<key>``, ``num_finished``
+    -> ``omniloop:engine_num_finished{reason}``, each stage's Stats -> ``omniloop:stage_<field>{stage}``
+    (its ``extra`` numbers included); anything non-numeric is skipped."""
+    samples: dict[str, list[str]] = defaultdict(list)
     for key, value in stats.items():
-        record = _as_dict(value)
-        if record is not None:
-            stage = str(record.get("stage", key))
-            for field, v in record.items():
-                if _is_number(v):
-                    per_name[f"omniloop:stage_{field}"].append(f'omniloop:stage_{field}{{stage="{_escape(stage)}"}} {float(v)}')
-                elif isinstance(v, dict):
-                    for sub, sv in v.items():
-                        if _is_number(sv):
-                            name = f"omniloop:stage_{_metric_safe(sub)}"
-                            per_name[name].append(f'{name}{{stage="{_escape(stage)}"}} {float(sv)}')
-        elif _is_number(value):
-            name = f"omniloop:engine_{_metric_safe(key)}"
-            per_name[name].append(f"{name} {float(value)}")
+        if _is_number(value):
+            samples[f"omniloop:engine_{_metric_safe(key)}"].append(f"{float(value)}")
+    for reason, n in (stats.get("num_finished") or {}).items():
+        samples["omniloop:engine_num_finished"].append(f'{{reason="{_escape(reason)}"}} {float(n)}')
+    for stage, record in (stats.get("stages") or {}).items():
+        record = _as_dict(record) or {}
+        fields = {k: v for k, v in record.items() if _is_number(v)}
+        fields.update({k: v for k, v in (record.get("extra") or {}).items() if _is_number(v)})
+        for field, v in fields.items():
+            samples[f"omniloop:stage_{_metric_safe(field)}"].append(f'{{stage="{_escape(stage)}"}} {float(v)}')
     lines: list[str] = []
-    for name, samples in per_name.items():
+    for name, values in samples.items():
         lines.append(f"# TYPE {name} gauge")
-        lines += samples
+        lines += [f"{name}{v}" if v.startswith("{") else f"{name} {v}" for v in values]
     return lines
 
 

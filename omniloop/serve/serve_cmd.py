@@ -28,4 +28,5 @@ def main(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         ref_audio_dirs=args.ref_audio_dir,
         shutdown_timeout_s=args.shutdown_timeout,
+        max_body_bytes=args.max_body_bytes,
     )

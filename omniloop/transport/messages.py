@@ -95,6 +95,7 @@ class Submit(msgspec.Struct, tag="submit", omit_defaults=True, gc=False):
     request: SpeechRequest | ChatRequest
     arrival: float = 0.0  # time.time() at the frontend
     arrays: dict[str, TensorMeta] = {}
+    pcm_dtype: str = "float32"  # PCM sample format the client wants back: "float32" | "int16"
 
 
 class Chunk(msgspec.Struct, tag="chunk", omit_defaults=True, gc=False):
