@@ -1,0 +1,65 @@
+"""The code predictor ("sub-talker"): from the talker's hidden state and codebook 0 it predicts
+codebooks 1..15 of the same frame, one codebook per step, batched over requests.
+
+Each frame starts a fresh, tiny KV cache (at most 1 + 16 positions); every row of the batch is at the
+same step, so positions and cache lengths are shared Python ints and the 15 steps have static shapes.
+Its codec embeddings live in *talker* dimension; ``small_to_mtp_projection`` maps every input into the
+predictor's own width (Identity when the two widths are equal, as in the 0.6B models).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omniloop.models.qwen3_tts.config import TalkerConfig
+from omniloop.models.qwen3_tts.layers import DecoderStack
+from omniloop.models.qwen3_tts.sampling import SamplingParams, sample_sub
+
+
+class CodePredictor(nn.Module):
+    def __init__(self, cfg: TalkerConfig, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        cp = cfg.code_predictor
+        talker_hidden = cfg.decoder.hidden_size
+        self.cfg = cp
+        self.num_groups = cfg.num_code_groups
+        kw = dict(device=device, dtype=dtype)
+        self.model = DecoderStack(cp, device, dtype)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cp.vocab_size, talker_hidden, **kw) for _ in range(self.num_groups - 1))
+        self.lm_head = nn.ModuleList(
+            nn.Linear(cp.hidden_size, cp.vocab_size, bias=False, **kw) for _ in range(self.num_groups - 1))
+        self.small_to_mtp_projection: nn.Module = (
+            nn.Linear(talker_hidden, cp.hidden_size, bias=True, **kw) if cp.hidden_size != talker_hidden
+            else nn.Identity())
+
+    def new_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cp = self.cfg
+        shape = (cp.num_layers, batch, cp.num_kv_heads, self.num_groups + 1, cp.head_dim)
+        return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+
+    def predict(self, hidden: torch.Tensor, code0_embed: torch.Tensor, params: SamplingParams,
+                step: torch.Tensor) -> torch.Tensor:
+        """hidden, code0_embed ``[B, H_talker]`` -> codebooks 1..15 ``[B, num_groups - 1]``."""
+        b = hidden.shape[0]
+        k_cache, v_cache = self.new_cache(b, hidden.device, hidden.dtype)
+        rows = torch.arange(b, device=hidden.device)
+        x = self.small_to_mtp_projection(torch.stack((hidden, code0_embed), dim=1))
+        pos = torch.arange(2, device=hidden.device).expand(b, 2)
+        out = self.model(x, pos, k_cache, v_cache, rows, kv_len=2)[:, -1]
+        codes = []
+        for g in range(self.num_groups - 1):
+            code = sample_sub(self.lm_head[g](out), params, step, g + 1)
+            codes.append(code)
+            if g == self.num_groups - 2:
+                break
+            x = self.small_to_mtp_projection(self.codec_embedding[g](code))[:, None]
+            pos = torch.full((b, 1), g + 2, device=hidden.device, dtype=torch.int64)
+            out = self.model(x, pos, k_cache, v_cache, rows, kv_len=g + 3)[:, 0]
+        return torch.stack(codes, dim=1)
+
+    def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes ``[..., num_groups - 1]`` (codebooks 1..15) -> their talker-dim embeddings ``[..., 15, H]``."""
+        return torch.stack([emb(codes[..., g]) for g, emb in enumerate(self.codec_embedding)], dim=-2)

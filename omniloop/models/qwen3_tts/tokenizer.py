@@ -1,0 +1,88 @@
+"""Text tokenizer and the chat-style templates qwen-tts feeds the talker.
+
+Loads ``tokenizer.json`` when the checkpoint has it; otherwise builds the Qwen2 byte-level BPE from
+``vocab.json`` + ``merges.txt`` and the added tokens listed in ``tokenizer_config.json``. The prompt
+builder slices the assistant template by position (role = ids[:3], text = ids[3:-5], ref text =
+ref_ids[3:-2]), so "assistant" and "\\n" must be single tokens — checked at load.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from omniloop.models.qwen3_tts.config import ConfigError
+
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def assistant_text(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def instruct_text(instruct: str) -> str:
+    return f"<|im_start|>user\n{instruct}<|im_end|>\n"
+
+
+def ref_text(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+
+
+def _from_vocab_files(model_dir: Path) -> Tokenizer:
+    vocab, merges = model_dir / "vocab.json", model_dir / "merges.txt"
+    for f in (vocab, merges):
+        if not f.exists():
+            raise ConfigError(f"{f}: not found (and no tokenizer.json in {model_dir})")
+    tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges), fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    cfg_path = model_dir / "tokenizer_config.json"
+    added = {}
+    if cfg_path.exists():
+        with open(cfg_path, encoding="utf-8") as fh:
+            added = json.load(fh).get("added_tokens_decoder", {}) or {}
+    for idx, spec in sorted(added.items(), key=lambda kv: int(kv[0])):
+        content = spec["content"]
+        tok.add_special_tokens([AddedToken(content, special=bool(spec.get("special", True)),
+                                           normalized=bool(spec.get("normalized", False)))])
+        if tok.token_to_id(content) != int(idx):
+            raise ConfigError(f"{cfg_path}: added_tokens_decoder.{idx} ({content!r}) got id "
+                              f"{tok.token_to_id(content)}; ids must follow the vocab contiguously")
+    return tok
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: Tokenizer, source: str) -> None:
+        self.tok = tokenizer
+        for piece in ("assistant", "\n"):
+            if len(self.tok.encode(piece, add_special_tokens=False).ids) != 1:
+                raise ConfigError(f"{source}: {piece!r} is not a single token; the prompt layout needs it")
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "TextTokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        tok = Tokenizer.from_file(str(path)) if path.exists() else _from_vocab_files(model_dir)
+        return cls(tok, str(path if path.exists() else model_dir))
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self.tok.encode(text).ids, dtype=torch.int64)
+
+    def assistant_ids(self, text: str) -> torch.Tensor:
+        return self.encode(assistant_text(text))
+
+    def instruct_ids(self, instruct: str | None) -> torch.Tensor | None:
+        return self.encode(instruct_text(instruct)) if instruct else None
+
+    def ref_ids(self, text: str | None) -> torch.Tensor | None:
+        return self.encode(ref_text(text)) if text else None
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False).ids)
