@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omniloop.models.qwen3_tts.config import TtsConfig
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 
 
@@ -51,11 +52,16 @@ class Prompt:
 
 
 def _language_id(model: Qwen3TtsModel, req: TtsInput) -> int | None:
-    tc = model.cfg.talker
+    return language_id(model.cfg, req)
+
+
+def language_id(cfg: TtsConfig, req: TtsInput) -> int | None:
+    """The codec language id of the prompt prefix (None = "auto": the nothink prefix)."""
+    tc = cfg.talker
     lang = (req.language or "auto").lower()
     lang_id = None if lang == "auto" else tc.codec_language_id.get(lang)
     if lang != "auto" and lang_id is None:
-        raise ValueError(f"unknown language {req.language!r}; valid: {list(model.cfg.languages)}")
+        raise ValueError(f"unknown language {req.language!r}; valid: {list(cfg.languages)}")
     if lang in ("chinese", "auto") and req.speaker:
         dialect = tc.spk_is_dialect.get(req.speaker.lower())
         if dialect is None:
@@ -132,3 +138,26 @@ def build_prompt(model: Qwen3TtsModel, req: TtsInput) -> Prompt:
         parts.append(pad[None] + codec_t[-1:])
         trailing = pad[None]
     return Prompt(embeds=torch.cat(parts, 0), trailing=trailing)
+
+
+def prompt_length(cfg: TtsConfig, req: TtsInput, num_ref_frames: int = 0) -> int:
+    """``build_prompt(model, req).embeds.shape[0]`` without the model, for admission (the scheduler needs
+    the prefill length before any weights are touched). ``num_ref_frames``: reference code frames of an
+    in-context clone (``ceil(ref samples / 1920)``); ``req.ref_code`` may still be None then."""
+    n_codec = (3 if language_id(cfg, req) is None else 4) + 2
+    if req.task == "base" or req.speaker:
+        n_codec += 1  # the speaker slot: x-vector (base) or the speaker's codec embedding
+    n = 3 + (n_codec - 1)
+    if req.instruct_ids is not None and req.instruct_ids.numel() > 0:
+        n += int(req.instruct_ids.numel())
+    num_text = int(req.input_ids.numel()) - 8
+    is_icl = req.task == "base" and (req.ref_code is not None or num_ref_frames > 0)
+    if is_icl:
+        if req.ref_ids is None:
+            raise ValueError("in-context cloning needs ref_ids (the reference transcript)")
+        frames = int(req.ref_code.shape[0]) if req.ref_code is not None else num_ref_frames
+        num_text_icl = int(req.ref_ids.numel()) - 5 + num_text + 1
+        return n + (num_text_icl + 1 + frames if not req.streaming_text else 1 + frames)
+    if req.streaming_text:
+        return n + 1
+    return n + num_text + 1 + 1

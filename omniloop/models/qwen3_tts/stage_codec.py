@@ -1,0 +1,78 @@
+"""The Qwen3-TTS codec stage: ``CodecScheduler`` + a runner over the stateful streaming decoder.
+
+Each step decodes the planned frames of many requests in one batched call; every request keeps its
+decoder state (sliding-window cache, causal-conv tails) in a ``CodecStreams`` slot, so each frame is
+decoded exactly once and the stream equals the one-shot decode.
+
+The step runs on the runner's worker thread (``CpuRunner``): on a GPU, the thread launches the kernels
+and waits for the PCM copy, so the event loop never does. A request's stream is opened at its first
+chunk and closed at its last; a request aborted mid-stream is closed when its scheduler slot is reused
+(the scheduler frees slots at once on abort, and a slot's next request always starts with ``is_first``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from omniloop.gpu.runner import CpuRunner
+from omniloop.models.qwen3_tts.family import resolve_checkpoint
+from omniloop.models.qwen3_tts.speech_stream import CodecStreams
+from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
+from omniloop.models.registry import Worker
+from omniloop.scheduler.codec import CodecConfig, CodecScheduler
+from omniloop.scheduler.plan import CodecStepPlan, CodecStepResult
+
+
+class CodecRunner(CpuRunner):
+    def __init__(self, streams: CodecStreams, name: str = "codec") -> None:
+        super().__init__(name)
+        self.streams = streams
+        self._owner: dict[int, str] = {}  # scheduler slot -> req_id whose stream is open there
+
+    @torch.inference_mode()
+    def step(self, plan: CodecStepPlan) -> CodecStepResult:
+        for seq in plan.seqs:
+            if seq.is_first:
+                stale = self._owner.pop(seq.slot, None)
+                if stale is not None:
+                    self.streams.close(stale)
+                self.streams.open(seq.req_id)
+                self._owner[seq.slot] = seq.req_id
+        pcm = self.streams.decode([(seq.req_id, seq.codes) for seq in plan.seqs])
+        out = [p.float().cpu().numpy() for p in pcm]
+        for seq in plan.seqs:
+            if seq.is_last:
+                self.streams.close(seq.req_id)
+                self._owner.pop(seq.slot, None)
+        return CodecStepResult(pcm=out)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            for req_id in self._owner.values():
+                self.streams.close(req_id)
+            self._owner.clear()
+
+
+def build_codec(stage: Any, profile: Any) -> Worker:
+    ckpt = resolve_checkpoint(profile)
+    opts = dict(stage.options)
+    if opts:
+        raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.codec")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
+    tokenizer = SpeechTokenizer.load(ckpt.path, device=stage.device, dtype=dtype, load_format=ckpt.load_format,
+                                     with_encoder=False, seed=profile.seed)
+    streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
+                           initial_slots=min(8, stage.max_num_seqs))
+    chunking = profile.chunking
+    frames = max(chunking.frames, chunking.initial_frames)
+    scheduler = CodecScheduler(CodecConfig(
+        stage=stage.name, max_num_seqs=stage.max_num_seqs,
+        max_frames_per_step=max(stage.max_num_tokens, frames),
+        initial_frames=chunking.initial_frames, frames=frames,
+    ))
+    return Worker(scheduler, CodecRunner(streams, name=stage.name))

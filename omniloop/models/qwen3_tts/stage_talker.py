@@ -1,0 +1,133 @@
+"""The Qwen3-TTS talker stage: ``ArScheduler`` (logical) + ``TalkerRunner`` (physical) over one model.
+
+Admission (``prepare``, on the actor's loop): validate, tokenize, decode the reference audio, and work
+out the prefill length without touching the model. The heavy per-request work — speaker embedding and
+reference codes of a Base request, and the prompt embeddings — happens in the runner's step, through the
+payload's lazy ``inputs`` (see ``voice.py``), so the loop never runs a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omniloop.errors import RequestError
+from omniloop.models.qwen3_tts.audio import load_audio
+from omniloop.models.qwen3_tts.checkpoint import build_model
+from omniloop.models.qwen3_tts.config import TtsConfig
+from omniloop.models.qwen3_tts.family import resolve_checkpoint
+from omniloop.models.qwen3_tts.generate import tts_input_from_request
+from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, prompt_length
+from omniloop.models.qwen3_tts.tokenizer import TextTokenizer
+from omniloop.models.qwen3_tts.validate import validate_speech_request
+from omniloop.models.qwen3_tts.voice import VoiceEncoder
+from omniloop.models.registry import Worker
+from omniloop.scheduler.ar import ArConfig, ArScheduler
+from omniloop.scheduler.request import ArPrompt
+from omniloop.transport.messages import SpeechRequest, Submit
+
+SAMPLES_PER_FRAME = 1920
+DEFAULT_MAX_MODEL_LEN = 4096  # positions per request (prompt + frames): ~5 minutes of audio
+BLOCK_SIZE = 16
+
+
+@dataclass
+class TalkerPayload:
+    """What the runner needs to start a request's slot. ``inputs`` resolves the reference voice on first
+    use (in the runner's step), so the event loop never runs the speaker or speech encoder."""
+
+    base: TtsInput  # token ids and sampling; x_vector / ref_code not yet filled for Base
+    ref_pcm: np.ndarray | None = None
+    voice: VoiceEncoder | None = None
+    prompt: Prompt | None = None
+    _inputs: TtsInput | None = field(default=None, repr=False)
+
+    @property
+    def inputs(self) -> TtsInput:
+        if self._inputs is None:
+            resolved = self.base
+            if self.ref_pcm is not None:
+                if self.voice is None:
+                    raise RuntimeError("a Base request reached a talker without a voice encoder")
+                x_vector, ref_code = self.voice.encode(self.ref_pcm, with_codes=self.base.ref_ids is not None)
+                resolved = dataclasses.replace(self.base, x_vector=x_vector, ref_code=ref_code)
+            self._inputs = resolved
+        return self._inputs
+
+
+class TalkerAdmission:
+    """``prepare(req_id, submit, arrays) -> ArPrompt`` for the scheduler: everything cheap, nothing on
+    the model. Errors raised here end the request with a clear message (the scheduler reports them)."""
+
+    def __init__(self, cfg: TtsConfig, tokenizer: TextTokenizer, voice: VoiceEncoder | None,
+                 max_model_len: int, max_text_chars: int, max_ref_seconds: float) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.voice = voice
+        self.max_model_len = max_model_len
+        self.max_text_chars = max_text_chars
+        self.max_ref_seconds = max_ref_seconds
+
+    def __call__(self, req_id: str, submit: Submit, arrays: dict[str, Any]) -> ArPrompt:
+        req = submit.request
+        if not isinstance(req, SpeechRequest):
+            raise RequestError(400, "the Qwen3-TTS talker takes speech requests only")
+        validate_speech_request(self.cfg, req, self.max_text_chars)
+        base = tts_input_from_request(self.cfg, self.tokenizer, req)
+        ref_pcm, num_ref_frames = None, 0
+        if base.task == "base":
+            if self.voice is None:
+                raise RequestError(400, "this talker was started without the Base voice encoder")
+            try:
+                ref_pcm = load_audio(req.ref_audio, max_seconds=self.max_ref_seconds)
+            except ValueError as exc:
+                raise RequestError(400, f"ref_audio: {exc}") from None
+            if base.ref_ids is not None:
+                num_ref_frames = math.ceil(len(ref_pcm) / SAMPLES_PER_FRAME)
+        num_prompt = prompt_length(self.cfg, base, num_ref_frames)
+        room = self.max_model_len - num_prompt
+        if room < 2:
+            raise RequestError(400, f"the prompt takes {num_prompt} positions; this talker holds at most "
+                                    f"{self.max_model_len} per request (max_model_len)")
+        max_frames = min(base.max_new_tokens - 1, room - 1)
+        payload = TalkerPayload(base=base, ref_pcm=ref_pcm, voice=self.voice)
+        return ArPrompt(num_prompt_tokens=num_prompt, max_frames=max_frames, payload=payload)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def build_talker(stage: Any, profile: Any) -> Worker:
+    from omniloop.gpu.talker_runner import TalkerRunner
+
+    ckpt = resolve_checkpoint(profile)
+    opts = dict(stage.options)
+    max_model_len = int(opts.pop("max_model_len", DEFAULT_MAX_MODEL_LEN))
+    use_graphs = bool(opts.pop("cuda_graphs", stage.device.startswith("cuda")))
+    max_ref_seconds = float(opts.pop("max_ref_seconds", 60.0))
+    if opts:
+        raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.talker "
+                         "(known: max_model_len, cuda_graphs, max_ref_seconds)")
+    model, _ = build_model(ckpt.path, load_format=ckpt.load_format, device=stage.device,
+                           dtype=_torch_dtype(stage.dtype), seed=profile.seed)
+    cfg = model.cfg
+    voice = (VoiceEncoder(ckpt.path, ckpt.load_format, stage.device, seed=profile.seed)
+             if cfg.model_type == "base" else None)
+    runner = TalkerRunner(model, device=stage.device, max_num_seqs=stage.max_num_seqs,
+                          max_len=max_model_len, use_cuda_graphs=use_graphs)
+    admission = TalkerAdmission(cfg, TextTokenizer.from_dir(ckpt.path), voice, max_model_len,
+                                profile.max_text_chars, max_ref_seconds)
+    blocks_per_seq = math.ceil(max_model_len / BLOCK_SIZE)
+    scheduler = ArScheduler(
+        ArConfig(stage=stage.name, max_num_seqs=stage.max_num_seqs, max_num_tokens=stage.max_num_tokens,
+                 num_kv_blocks=blocks_per_seq * stage.max_num_seqs, block_size=BLOCK_SIZE,
+                 max_codec_frames=profile.chunking.max_codec_frames),
+        prepare=admission,
+    )
+    return Worker(scheduler, runner)
