@@ -38,9 +38,20 @@ def setup_logging(fmt: str | None = None, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),
         cache_logger_on_first_use=False,
     )
+
+
+class _Stderr:
+    """Whatever ``sys.stderr`` is at the time of each write (it is replaced by test runners and daemons;
+    holding the object seen at setup time would write into a closed stream later)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:

@@ -112,7 +112,8 @@ def _checked(name: str, array: np.ndarray) -> np.ndarray:
         raise TypeError(f"array {name!r} has dtype {array.dtype}, allowed: {sorted(ALLOWED_DTYPES)}")
     if array.dtype.byteorder not in ("=", "|", _NATIVE_ORDER):
         array = array.astype(array.dtype.newbyteorder("="))
-    return np.ascontiguousarray(array)
+    # ascontiguousarray would also turn a 0-d array into shape (1,); only copy what needs it.
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def _array(name: str, meta: TensorMeta, frame: Any, req_id: str | None) -> np.ndarray:

@@ -44,11 +44,11 @@ class CodePredictor(nn.Module):
                 step: torch.Tensor) -> torch.Tensor:
         """hidden, code0_embed ``[B, H_talker]`` -> codebooks 1..15 ``[B, num_groups - 1]``."""
         b = hidden.shape[0]
+        # row i owns cache row i, so attention reads it by slicing (slots=None) rather than gathering
         k_cache, v_cache = self.new_cache(b, hidden.device, hidden.dtype)
-        rows = torch.arange(b, device=hidden.device)
         x = self.small_to_mtp_projection(torch.stack((hidden, code0_embed), dim=1))
         pos = torch.arange(2, device=hidden.device).expand(b, 2)
-        out = self.model(x, pos, k_cache, v_cache, rows, kv_len=2)[:, -1]
+        out = self.model(x, pos, k_cache, v_cache, None, kv_len=2)[:, -1]
         codes = []
         for g in range(self.num_groups - 1):
             code = sample_sub(self.lm_head[g](out), params, step, g + 1)
@@ -57,7 +57,7 @@ class CodePredictor(nn.Module):
                 break
             x = self.small_to_mtp_projection(self.codec_embedding[g](code))[:, None]
             pos = torch.full((b, 1), g + 2, device=hidden.device, dtype=torch.int64)
-            out = self.model(x, pos, k_cache, v_cache, rows, kv_len=g + 3)[:, 0]
+            out = self.model(x, pos, k_cache, v_cache, None, kv_len=g + 3)[:, 0]
         return torch.stack(codes, dim=1)
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:

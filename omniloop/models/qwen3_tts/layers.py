@@ -89,10 +89,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, mask: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor | None, write_pos: torch.Tensor, mask: torch.Tensor,
                 kv_len: int) -> torch.Tensor:
         """x ``[B, L, H]``; ``write_pos`` ``[B, L]`` cache positions of x's tokens; ``mask`` ``[B, 1, L, kv_len]``
-        (True = may attend). Reads keys ``[0, kv_len)`` of each row's slot after writing its own."""
+        (True = may attend). Reads keys ``[0, kv_len)`` of each row's slot after writing its own.
+        ``slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of gathering (a copy)."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
@@ -100,11 +101,14 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         heads = torch.arange(self.num_kv_heads, device=x.device)
-        index = (slots[:, None, None], heads[None, :, None], write_pos[:, None, :])
+        rows = torch.arange(b, device=x.device) if slots is None else slots
+        index = (rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
         k_cache.index_put_(index, k)
         v_cache.index_put_(index, v)
-        keys = k_cache[slots, :, :kv_len]
-        values = v_cache[slots, :, :kv_len]
+        if slots is None:
+            keys, values = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
+        else:
+            keys, values = k_cache[slots, :, :kv_len], v_cache[slots, :, :kv_len]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
@@ -133,7 +137,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slots: torch.Tensor, write_pos: torch.Tensor, mask: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor | None, write_pos: torch.Tensor, mask: torch.Tensor,
                 kv_len: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, slots, write_pos, mask, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -151,8 +155,9 @@ class DecoderStack(nn.Module):
         self.rope = Rope(cfg, device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slots: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """x ``[B, L, H]``, positions ``[B, L]`` absolute (also the cache positions written)."""
+                slots: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+        """x ``[B, L, H]``, positions ``[B, L]`` absolute (also the cache positions written); ``slots=None``
+        means row i uses slot i (see ``Attention``)."""
         rope = self.rope(positions, x.dtype)
         # the caller marks padding tokens with a position >= max_len; they land on the scratch position
         write_pos = positions.clamp(max=k_cache.shape[3] - 1)

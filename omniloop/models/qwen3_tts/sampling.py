@@ -72,8 +72,10 @@ def counter_uniform(seed: torch.Tensor, step: torch.Tensor, group: torch.Tensor 
     h = _mix32((seed >> 32) & _M32 ^ 0x5BD1E995)
     h = _mix32(h ^ (seed & _M32))
     h = _mix32(h ^ (step.to(torch.int64)[:, None] & _M32))
-    group_t = torch.as_tensor(group, dtype=torch.int64, device=seed.device)
-    h = _mix32(h ^ (group_t.reshape(-1, 1) & _M32) ^ 0x68E31DA4)
+    if isinstance(group, int):  # a Python constant: no host tensor to copy (that copy would sync the stream)
+        h = _mix32(h ^ ((group & _M32) ^ 0x68E31DA4))
+    else:
+        h = _mix32(h ^ (group.to(torch.int64).reshape(-1, 1) & _M32) ^ 0x68E31DA4)
     v = torch.arange(vocab, dtype=torch.int64, device=seed.device)[None, :]
     h = _mix32(_mix32(h ^ v) + 0x1B56C4E9 & _M32)
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))

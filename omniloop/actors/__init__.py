@@ -1,0 +1,1 @@
+"""Actors: the stage loop, the frontend Engine, the supervisor and the thread-safe doorway."""

@@ -1,0 +1,217 @@
+"""The stage actor: one loop, one inbox, one scheduler, one runner.
+
+The loop sleeps until one of two things happens, and then runs the DESIGN.md routine:
+
+    inbox input      -> drain inbox (add / extend / finish_upstream / abort / stop), then launch
+    step completed   -> apply it (update or fail -> emits -> outboxes), then launch
+    launch: while in_flight < max_in_flight and (plan := scheduler.schedule()): runner.submit(plan)
+
+A step's outputs are sent before the next step is launched. Nothing here waits on a result, polls,
+or sleeps. When a stage ends a request itself (an error Finish to the frontend), it also sends
+Abort downstream on the same socket that carried the request, so the abort cannot overtake it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+import traceback
+from typing import Any
+
+from omniloop.actors.actor import EXIT_FATAL, EXIT_OK, EXIT_START_FAILED, ActorSpec
+from omniloop.actors.doorway import Doorway, doorway_for
+from omniloop.errors import FrameError
+from omniloop.log import get_logger
+from omniloop.models.registry import build_worker
+from omniloop.scheduler.interface import Emit
+from omniloop.transport.channel import Delivery, Inbox, Outbox
+from omniloop.transport.messages import Abort, Chunk, Finish, Ready, Reason, Shutdown, Stats, Submit
+
+log = get_logger(__name__)
+
+
+class StageActor:
+    def __init__(self, spec: ActorSpec) -> None:
+        self.spec = spec
+        self.stage = spec.profile.stage(spec.stage)
+        self.has_next_stage = spec.profile.next_of(spec.stage) is not None
+        self.scheduler: Any = None
+        self.runner: Any = None
+        self.num_in_flight = 0
+        self.num_steps = 0
+        self._step_s_total = 0.0
+        self._inbox: Inbox | None = None
+        self._to_next: Outbox | None = None
+        self._to_frontend: Outbox | None = None
+        self._doorway: Doorway | None = None
+        self._stopped: asyncio.Future | None = None
+        self.start_error: str | None = None  # set when start-up failed; also sent in Ready(ok=False)
+
+    # ---- lifecycle
+    async def run(self) -> int:
+        """Start, report Ready, serve until stopped; always closes what it opened. Returns the exit code."""
+        loop = asyncio.get_running_loop()
+        self._doorway = doorway_for(loop)
+        self._stopped = loop.create_future()
+        log_ = log.bind(stage=self.stage.name, pid=os.getpid())
+        try:
+            self._to_frontend = Outbox(self.spec.frontend, name=f"{self.stage.name}->frontend")
+            self._to_frontend.attach(loop)
+            try:
+                self._open(loop)
+            except Exception as exc:
+                self.start_error = _summary(exc)
+                log_.error("stage_start_failed", error=self.start_error)
+                self._to_frontend.send(Ready(self.stage.name, os.getpid(), ok=False, error=self.start_error))
+                return EXIT_START_FAILED
+            self._to_frontend.send(Ready(self.stage.name, os.getpid(), info={"model": self.stage.model}))
+            log_.info("stage_ready", model=self.stage.model, placement=self.stage.placement)
+            reason = await self._stopped
+            log_.info("stage_stopped", reason=reason)
+            return EXIT_OK
+        except Exception as exc:
+            log_.error("stage_fatal", error=repr(exc), traceback=traceback.format_exc())
+            return EXIT_FATAL
+        finally:
+            self._close()
+
+    def request_stop(self, reason: str = "stop") -> None:
+        """Ask the actor to stop; safe from any thread (and from a signal handler on the loop)."""
+        if self._doorway is not None:
+            self._doorway.post(self._stop, reason)
+
+    def _open(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.scheduler, self.runner = build_worker(self.stage, self.spec.profile)
+        if self.spec.next == self.spec.frontend:
+            # Last stage: one socket for chunks and Finish so the Finish cannot overtake its chunks.
+            self._to_next = self._to_frontend
+        else:
+            self._to_next = Outbox(self.spec.next, name=f"{self.stage.name}->next")
+            self._to_next.attach(loop)
+        self._inbox = Inbox(self.spec.inbox, name=f"{self.stage.name}-inbox")
+        self._inbox.attach(loop, self._on_inbox)
+
+    def _stop(self, reason: str) -> None:
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(reason)
+
+    def _fatal(self, exc: BaseException) -> None:
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_exception(exc)
+
+    @property
+    def is_stopping(self) -> bool:
+        return self._stopped is None or self._stopped.done()
+
+    def _close(self) -> None:
+        steps = (
+            ("inbox", self._inbox),
+            ("runner", self.runner),
+            ("next", self._to_next if self._to_next is not self._to_frontend else None),
+            ("frontend", self._to_frontend),
+            ("doorway", self._doorway),
+        )
+        for what, resource in steps:
+            if resource is None:
+                continue
+            try:
+                resource.close()
+            except Exception as exc:  # keep closing the rest: a leak elsewhere is worse
+                log.error("stage_close_failed", stage=self.stage.name, what=what, error=repr(exc))
+
+    # ---- wake-up 1: inbox input
+    def _on_inbox(self, batch: list[Delivery]) -> None:
+        try:
+            for item in batch:
+                if isinstance(item, FrameError):
+                    self._on_bad_frame(item)
+                else:
+                    self._handle(*item)
+            self._launch()
+        except Exception as exc:
+            self._fatal(exc)
+
+    def _handle(self, msg: Any, arrays: dict[str, Any]) -> None:
+        if isinstance(msg, Submit):
+            self._send(self.scheduler.add(msg.req_id, msg, arrays))
+        elif isinstance(msg, Chunk):
+            self._send(self.scheduler.extend(msg.req_id, msg, arrays))
+        elif isinstance(msg, Finish):
+            self._send(self.scheduler.finish_upstream(msg.req_id, msg))
+        elif isinstance(msg, Abort):
+            self.scheduler.abort(msg.req_id)
+            if self.has_next_stage:  # follows anything we already sent for it downstream
+                self._to_next.send(msg)
+        elif isinstance(msg, Stats):
+            self._to_frontend.send(self.stats())
+        elif isinstance(msg, Shutdown):
+            self._stop(msg.reason)
+        else:
+            log.warning("stage_unexpected_message", stage=self.stage.name, type=type(msg).__name__)
+
+    def _on_bad_frame(self, exc: FrameError) -> None:
+        log.warning("stage_bad_frame", stage=self.stage.name, error=str(exc), req_id=exc.req_id)
+        if exc.req_id is None:
+            return
+        self.scheduler.abort(exc.req_id)
+        self._send([Emit("frontend", Finish(exc.req_id, Reason.ERROR.value, error=str(exc), stage=self.stage.name))])
+
+    # ---- wake-up 2: a step completed
+    def _on_step_done(self, plan: Any, started: float, future: asyncio.Future) -> None:
+        self.num_in_flight -= 1
+        if self.is_stopping:
+            return
+        try:
+            error = future.exception() if not future.cancelled() else asyncio.CancelledError("step cancelled")
+            if error is None:
+                self.num_steps += 1
+                self._step_s_total += time.perf_counter() - started
+                emits = self.scheduler.update(plan, future.result())
+            else:
+                log.warning("stage_step_failed", stage=self.stage.name, error=repr(error))
+                emits = self.scheduler.fail(plan, error)
+            self._send(emits)
+            self._launch()
+        except Exception as exc:
+            self._fatal(exc)
+
+    # ---- launch
+    def _launch(self) -> None:
+        while not self.is_stopping and self.num_in_flight < self.stage.max_in_flight:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return
+            self.num_in_flight += 1
+            future = self.runner.submit(plan)
+            future.add_done_callback(functools.partial(self._on_step_done, plan, time.perf_counter()))
+
+    def _send(self, emits: list[Emit]) -> None:
+        for emit in emits:
+            if emit.dest == "next":
+                self._to_next.send(emit.msg, emit.arrays)
+            elif emit.dest == "frontend":
+                self._to_frontend.send(emit.msg, emit.arrays)
+                if isinstance(emit.msg, Finish) and self.has_next_stage:
+                    self._to_next.send(Abort(emit.msg.req_id, emit.msg.reason))
+            else:
+                raise ValueError(f"stage {self.stage.name!r}: emit to unknown destination {emit.dest!r}")
+
+    def stats(self) -> Stats:
+        sched = self.scheduler
+        return Stats(
+            self.stage.name,
+            num_running=getattr(sched, "num_running", sched.num_requests),
+            num_waiting=getattr(sched, "num_waiting", 0),
+            num_steps=self.num_steps,
+            step_ms=1000.0 * self._step_s_total / max(1, self.num_steps),
+            extra={"num_requests": float(sched.num_requests), "num_in_flight": float(self.num_in_flight)},
+        )
+
+
+def _summary(exc: BaseException) -> str:
+    """The error and where it was raised, short enough for a log line and a Ready message."""
+    frames = traceback.extract_tb(exc.__traceback__)[-3:]
+    where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}" for f in reversed(frames))
+    return f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")

@@ -1,0 +1,1 @@
+"""Runners and completion observers: device work off the loop, completions back through the doorway."""

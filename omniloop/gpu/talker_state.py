@@ -1,0 +1,106 @@
+"""Per-slot device state of the talker stage, and the frame step that reads and advances it.
+
+Everything a request needs between steps lives here, one row per slot, at a fixed address: the KV
+cache, trailing text and code-0 history (``model.cache``), sampling parameters, the frame counter, and
+the next decode input (the embedding of the frame it sampled last). Fixed addresses are what let a
+CUDA graph replay the decode frame step without arguments, and keeping the next input on the device
+is what lets the scheduler plan a request's next decode before the previous step's codes reach the host.
+
+Rows of a decode batch are slots ``0..B-1`` (``rows=None``: views, no gathers); slots in that range
+that are not decoding this step are masked by ``active``: their KV write lands on the scratch position
+and none of their state changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from omniloop.models.qwen3_tts.generate import GREEDY
+from omniloop.models.qwen3_tts.sampling import SamplingParams, sample_code0
+from omniloop.models.qwen3_tts.talker import Qwen3TtsModel, TalkerCache
+
+
+@dataclass
+class TalkerState:
+    model: Qwen3TtsModel
+    cache: TalkerCache
+    params: SamplingParams  # each field [S]
+    step: torch.Tensor  # int64 [S]: frames this slot's request sampled so far
+    next_input: torch.Tensor  # [S, H]: decode input built from the slot's last frame
+    positions: torch.Tensor  # int64 [S]: decode inputs of the frame step (graph input buffer)
+    active: torch.Tensor  # bool [S]: which of rows 0..B-1 decode this step (graph input buffer)
+    prompts: dict[int, torch.Tensor]  # slot -> prompt embeds [L, H], until its prefill is done
+
+    @classmethod
+    def allocate(cls, model: Qwen3TtsModel, num_slots: int, max_len: int, max_trailing: int) -> TalkerState:
+        dev = model.device
+        cache = model.allocate(num_slots, max_len, max_trailing)
+        model.special_embeds()  # computed now: inside a graph capture it must already be cached
+        params = SamplingParams.stack([dict(GREEDY, seed=0)] * num_slots, dev)
+        return cls(model=model, cache=cache, params=params,
+                   step=torch.zeros(num_slots, dtype=torch.int64, device=dev),
+                   next_input=torch.zeros(num_slots, model.cfg.talker.decoder.hidden_size, dtype=model.dtype,
+                                          device=dev),
+                   positions=torch.full((num_slots,), max_len, dtype=torch.int64, device=dev),
+                   active=torch.zeros(num_slots, dtype=torch.bool, device=dev), prompts={})
+
+    @property
+    def num_slots(self) -> int:
+        return self.step.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def reset(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor, sampling: dict, seed: int) -> None:
+        """Start ``slot`` over for a new request. Only fills and device copies: no host sync."""
+        if trailing.shape[0] > self.cache.trailing.shape[1]:
+            # growing would move the buffer that captured graphs read
+            raise ValueError(f"trailing text of {trailing.shape[0]} positions exceeds the runner's "
+                             f"max_trailing={self.cache.trailing.shape[1]}")
+        self.model.set_trailing(slot, trailing)  # also clears the code-0 history
+        row = {**GREEDY, **sampling, "seed": seed}
+        for f in fields(SamplingParams):
+            getattr(self.params, f.name)[slot] = row[f.name]
+        self.step[slot] = 0
+        self.prompts[slot] = embeds
+
+    def frame_tail(self, rows: torch.Tensor | None, hidden: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
+        """Sample one frame per row from the talker's last hidden ``[B, H]`` and advance the rows' state.
+
+        ``rows=None``: rows are slots 0..B-1, ``active`` masks the state updates. Otherwise ``rows`` are
+        the (distinct) slots of the batch, all active. Returns codes ``[B, 16]``."""
+        model, cache, b = self.model, self.cache, hidden.shape[0]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[:b] if rows is None else t[rows]
+
+        params = SamplingParams(**{f.name: take(getattr(self.params, f.name)) for f in fields(SamplingParams)})
+        step = take(self.step)
+        logits = model.talker.codec_head(hidden)
+        code0 = sample_code0(logits, params, take(cache.seen), step, model.cfg.talker.codec_eos_id)
+        rest = model.code_predictor.predict(hidden, model.codec_embed(code0), params, step)
+        codes = torch.cat((code0[:, None], rest), dim=1)
+        slots = torch.arange(b, device=hidden.device) if rows is None else rows
+        embeds = model.next_input(slots, codes, step)
+        if rows is None:
+            seen = cache.seen[:b]
+            mark = seen.gather(1, code0[:, None]) | active[:, None]
+            seen.scatter_(1, code0[:, None], mark)
+            self.next_input[:b] = torch.where(active[:, None], embeds.to(self.next_input.dtype), self.next_input[:b])
+            self.step[:b] += active.to(torch.int64)
+        else:
+            cache.seen.index_put_((rows, code0), torch.ones_like(code0, dtype=torch.bool))
+            self.next_input.index_copy_(0, rows, embeds.to(self.next_input.dtype))
+            self.step.index_add_(0, rows, torch.ones_like(rows))
+        return codes
+
+    def decode_frame(self, b: int, kv_len: int) -> torch.Tensor:
+        """The whole decode frame step for rows (= slots) ``0..b-1``: talker decode at ``positions[:b]``
+        over keys ``[0, kv_len)``, then ``frame_tail``. Reads only fixed buffers: this is what gets captured."""
+        positions, active = self.positions[:b], self.active[:b]
+        x = self.next_input[:b, None]
+        hidden = self.model.talker.model(x, positions[:, None], self.cache.k, self.cache.v, None, kv_len)[:, 0]
+        return self.frame_tail(None, hidden, active)

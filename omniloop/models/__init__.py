@@ -1,0 +1,1 @@
+"""Model families (one subpackage or module each) and the registry that names their stages."""

@@ -1,0 +1,1 @@
+"""Wire types, frame codec and ZMQ channels. Nothing here pickles."""
