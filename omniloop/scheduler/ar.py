@@ -174,16 +174,17 @@ class ArScheduler:
                 self._release(req)
                 continue
             codes = np.array(result.codes[i : i + 1], dtype=np.int64)  # a copy: the result's buffer gets recycled
+            extra = result.extras.get(i) if result.extras else None
             req.num_frames += 1
             req.playback.on_audio(1, now)
             if req.num_frames < req.max_frames:
-                emits.append(self._chunk(req, codes, None))
+                emits.append(self._chunk(req, codes, None, extra))
             elif req.is_codec_limited:
-                emits.append(self._chunk(req, codes, None))
+                emits.append(self._chunk(req, codes, None, extra))
                 error = f"reached the codec frame limit of {req.max_frames} frames"
                 emits.append(self._finish(req, Reason.CODEC_LIMIT.value, error))
             else:
-                emits.append(self._chunk(req, codes, Reason.LENGTH.value))
+                emits.append(self._chunk(req, codes, Reason.LENGTH.value, extra))
                 self._release(req)
         return emits
 
@@ -285,11 +286,15 @@ class ArScheduler:
             )
         return None
 
-    def _chunk(self, req: ArRequest, codes: np.ndarray | None, reason: str | None) -> Emit:
+    def _chunk(self, req: ArRequest, codes: np.ndarray | None, reason: str | None,
+               extra: dict[str, np.ndarray] | None = None) -> Emit:
         chunk = Chunk(req_id=req.req_id, seq=req.num_chunks, final=reason is not None, reason=reason,
                       stage=self.config.stage)
         req.num_chunks += 1
-        return Emit("next", chunk, {"codes": codes} if codes is not None else None)
+        arrays = dict(extra) if extra else {}
+        if codes is not None:
+            arrays["codes"] = codes
+        return Emit("next", chunk, arrays or None)
 
     def _finish(self, req: ArRequest, reason: str, error: str | None) -> Emit:
         """Errors skip the rest of the pipeline (the actor aborts the request downstream); a codec

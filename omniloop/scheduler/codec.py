@@ -66,6 +66,8 @@ class CodecScheduler:
         frames = getattr(request, "initial_chunk_frames", None)
         if req is not None and frames:
             req.initial_frames = max(1, min(int(frames), self.config.frames))
+        if req is not None:
+            req.return_codes = bool(getattr(request, "return_codes", False))
         return []
 
     def extend(self, req_id: str, chunk: Any, arrays: dict[str, Any] | None = None) -> list[Emit]:
@@ -73,6 +75,9 @@ class CodecScheduler:
         req = self._get(req_id)
         if req is None:
             return []
+        context = (arrays or {}).get("context_codes")
+        if context is not None and len(context) and req.num_scheduled == 0:
+            req.context = np.asarray(context, dtype=np.int64)
         codes = (arrays or {}).get("codes")
         if codes is not None and len(codes):
             codes = np.asarray(codes, dtype=np.int64)
@@ -129,7 +134,12 @@ class CodecScheduler:
             start = req.num_scheduled
             codes = req.take(num_frames)
             is_last = req.final_reason is not None and req.num_available == 0
-            plan.seqs.append(CodecSeq(req.req_id, req.slot, start, start + num_frames, codes, start == 0, is_last))
+            num_context = 0
+            if start == 0 and req.context is not None:
+                num_context, codes = len(req.context), np.concatenate((req.context, codes))
+                req.context = None
+            plan.seqs.append(CodecSeq(req.req_id, req.slot, start, start + num_frames, codes, start == 0, is_last,
+                                      num_context))
             reqs.append(req)
             req.num_steps += 1
             budget -= num_frames
@@ -149,7 +159,8 @@ class CodecScheduler:
             req.num_done = seq.end
             req.playback.on_audio(seq.end - seq.start, now)
             is_final = req.final_reason is not None and req.num_done == req.num_received
-            emits.append(self._chunk(req, pcm, req.final_reason if is_final else None))
+            codes = seq.codes[seq.num_context:] if req.return_codes else None
+            emits.append(self._chunk(req, pcm, req.final_reason if is_final else None, codes))
             if is_final:
                 emits.append(self._finish(req, req.final_reason, req.final_error))
         return emits
@@ -211,11 +222,15 @@ class CodecScheduler:
             return []
         return [self._chunk(req, None, req.final_reason), self._finish(req, req.final_reason, req.final_error)]
 
-    def _chunk(self, req: CodecRequest, pcm: np.ndarray | None, reason: str | None) -> Emit:
+    def _chunk(self, req: CodecRequest, pcm: np.ndarray | None, reason: str | None,
+               codes: np.ndarray | None = None) -> Emit:
         chunk = Chunk(req_id=req.req_id, seq=req.num_chunks, final=reason is not None, reason=reason,
                       stage=self.config.stage)
         req.num_chunks += 1
-        return Emit("next", chunk, {"pcm": pcm} if pcm is not None else None)
+        arrays = {"pcm": pcm} if pcm is not None else {}
+        if codes is not None:
+            arrays["codes"] = codes
+        return Emit("next", chunk, arrays or None)
 
     def _finish(self, req: CodecRequest, reason: str, error: str | None) -> Emit:
         self._release(req)

@@ -65,6 +65,9 @@ class ArStepResult:
 
     codes: np.ndarray
     is_stop: Sequence[bool]
+    # arrays the runner attaches to a row's chunk (e.g. a voice clone's ``context_codes`` on its first
+    # frame, so the codec primes its state with the reference frames); keyed by row index
+    extras: dict[int, dict[str, np.ndarray]] | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +76,8 @@ class CodecSeq:
 
     ``is_first``: reset the slot's state before decoding. ``is_last``: no frame follows (known at
     schedule time only when upstream had already finished), the runner may release the state.
+    ``num_context``: the first rows of ``codes`` are context (a voice clone's reference frames): decode
+    them to prime the state, but return only the samples of the rows after them.
     """
 
     req_id: str
@@ -82,6 +87,7 @@ class CodecSeq:
     codes: np.ndarray  # int64 [end - start, 16]
     is_first: bool
     is_last: bool
+    num_context: int = 0
 
 
 @dataclass(slots=True)
@@ -96,4 +102,4 @@ class CodecStepPlan:
 
 @dataclass(slots=True)
 class CodecStepResult:
-    pcm: list[np.ndarray]  # float32 [1920 * (end - start)] per seq, aligned with ``plan.seqs``
+    pcm: list[np.ndarray]  # float32 [1920 * (end - start)] per seq (context excluded), aligned with ``plan.seqs``

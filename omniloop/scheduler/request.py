@@ -98,6 +98,8 @@ class CodecRequest:
     num_chunks: int = 0
     final_reason: str | None = None  # set when upstream ended normally: drain, then finish with it
     final_error: str | None = None
+    context: np.ndarray | None = None  # reference frames to decode before frame 0 (voice clone), not emitted
+    return_codes: bool = False  # the client asked for the codes beside the PCM
     is_finished: bool = False
 
     @property

@@ -25,6 +25,8 @@ from omniloop.models.registry import Worker
 from omniloop.scheduler.codec import CodecConfig, CodecScheduler
 from omniloop.scheduler.plan import CodecStepPlan, CodecStepResult
 
+SAMPLES_PER_FRAME = 1920
+
 
 class CodecRunner(CpuRunner):
     def __init__(self, streams: CodecStreams, name: str = "codec") -> None:
@@ -42,7 +44,8 @@ class CodecRunner(CpuRunner):
                 self.streams.open(seq.req_id)
                 self._owner[seq.slot] = seq.req_id
         pcm = self.streams.decode([(seq.req_id, seq.codes) for seq in plan.seqs])
-        out = [p.float().cpu().numpy() for p in pcm]
+        # context rows (a clone's reference frames) prime the state; their samples are not the request's
+        out = [p[seq.num_context * SAMPLES_PER_FRAME:].float().cpu().numpy() for p, seq in zip(pcm, plan.seqs)]
         for seq in plan.seqs:
             if seq.is_last:
                 self.streams.close(seq.req_id)
