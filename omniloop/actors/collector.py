@@ -23,6 +23,7 @@ class Output:
     pcm: np.ndarray | None = None
     text: str | None = None
     finish: Finish | None = None
+    codes: np.ndarray | None = None  # int64 [n, 16], only when the request asked (return_codes)
 
 
 class Collector:
@@ -30,6 +31,7 @@ class Collector:
         self.req_id = req_id
         self._pcm: list[np.ndarray] = []
         self._text: list[str] = []
+        self._codes: list[np.ndarray] = []
         self._finish: Finish | None = None
         self._event = asyncio.Event()
         self.is_taken_finish = False  # the consumer has received the Finish
@@ -43,6 +45,11 @@ class Collector:
         if self._finish is None and pcm.size:
             self._pcm.append(pcm)
             self.num_samples += pcm.size
+            self._event.set()
+
+    def put_codes(self, codes: np.ndarray) -> None:
+        if self._finish is None and len(codes):
+            self._codes.append(codes)
             self._event.set()
 
     def put_text(self, text: str) -> None:
@@ -68,6 +75,8 @@ class Collector:
             self._pcm = []
         text = "".join(self._text) if self._text else None
         self._text = []
+        codes = np.concatenate(self._codes) if self._codes else None
+        self._codes = []
         if self._finish is not None:
             self.is_taken_finish = True
-        return Output(pcm, text, self._finish)
+        return Output(pcm, text, self._finish, codes)

@@ -228,6 +228,9 @@ class Engine:
             pcm = arrays.get("pcm")
             if pcm is not None:
                 collector.put_pcm(pcm)
+            codes = arrays.get("codes")
+            if codes is not None:
+                collector.put_codes(codes)
         elif isinstance(msg, Finish):
             # An end anywhere but a normal stop at the last stage may leave the request in other stages.
             is_normal = msg.stage == self._last and msg.reason in _NORMAL_END

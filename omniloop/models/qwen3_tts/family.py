@@ -20,7 +20,7 @@ from omniloop.errors import RequestError
 from omniloop.transport.messages import SpeechRequest
 
 log = get_logger(__name__)
-TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+BUILTIN = "builtin:"
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,14 @@ class Checkpoint:
 
 
 def resolve_checkpoint(profile: Any) -> Checkpoint:
-    """The checkpoint a profile names, or the embedded tiny layout (random weights) when it names none."""
+    """The checkpoint a profile names, or an embedded layout with random weights: none named -> the tiny
+    one; ``builtin:<size>[:<variant>]`` (size tiny | 0.6b | 1.7b) -> the released shapes, for benchmarks."""
+    if profile.model_dir and profile.model_dir.startswith(BUILTIN):
+        from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
+
+        size, _, variant = profile.model_dir[len(BUILTIN):].partition(":")
+        return Checkpoint(ensure_tiny_checkpoint(variant or "custom_voice", size=size), "dummy",
+                          is_tiny=size == "tiny")
     if profile.model_dir:
         path = Path(profile.model_dir).expanduser()
         if not (path / "config.json").is_file():
@@ -69,7 +76,7 @@ def info(profile: Any) -> ModelInfo:
                     "pass --model DIR for a real checkpoint", path=str(ckpt.path))
     elif ckpt.load_format == "dummy":
         log.warning("load_format dummy: real shapes, RANDOM weights (benchmarking only)", path=str(ckpt.path))
-    name = "qwen3-tts-tiny-random" if ckpt.is_tiny else ckpt.path.name
+    name = "qwen3-tts-tiny-random" if ckpt.is_tiny else ckpt.path.name.split("-v1-")[0]
     return ModelInfo(name=name, task_types=(cfg.model_type,), speakers=tuple(sorted(cfg.speakers)),
                      languages=tuple(cfg.languages))
 

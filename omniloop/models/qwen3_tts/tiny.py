@@ -71,51 +71,80 @@ def build_tokenizer() -> Tokenizer:
     return tok
 
 
-def _configs(tok: Tokenizer, variant: str) -> dict[str, dict]:
+# Talker / code-predictor / codec sizes. "tiny" answers at once on any CPU; "1.7b" and "0.6b" are the released
+# shapes (REFERENCE.md section 4) for benchmarks with random weights.
+SIZES: dict[str, dict] = {
+    "tiny": dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, mrope=[4, 2, 2],
+                 text_hidden=32, text_vocab=None, cp_hidden=32, cp_inter=64, cp_layers=2, cp_heads=4, cp_kv=2,
+                 cp_head_dim=8, spk_channels=[32, 32, 32, 32, 96], spk_attn=16, spk_se=16, max_new_tokens=75,
+                 dec=dict(hidden_size=32, latent_dim=64, codebook_dim=32, head_dim=16, num_attention_heads=2,
+                          num_key_value_heads=2, intermediate_size=64, num_hidden_layers=1, decoder_dim=64,
+                          vector_quantization_hidden_dimension=32),
+                 enc=dict(hidden_size=32, num_filters=4, num_hidden_layers=1, intermediate_size=64,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=16, codebook_dim=16,
+                          vector_quantization_hidden_dimension=16, upsample_groups=32)),
+    "1.7b": dict(hidden=2048, inter=6144, layers=28, heads=16, kv_heads=8, head_dim=128, mrope=[24, 20, 20],
+                 text_hidden=2048, text_vocab=151936, cp_hidden=1024, cp_inter=3072, cp_layers=5, cp_heads=16,
+                 cp_kv=8, cp_head_dim=128, spk_channels=[512, 512, 512, 512, 1536], spk_attn=128, spk_se=128,
+                 max_new_tokens=8192,
+                 dec=dict(hidden_size=512, latent_dim=1024, codebook_dim=512, head_dim=64, num_attention_heads=16,
+                          num_key_value_heads=16, intermediate_size=1024, num_hidden_layers=8, decoder_dim=1536,
+                          vector_quantization_hidden_dimension=512),
+                 enc=dict(hidden_size=512, num_filters=64, num_hidden_layers=8, intermediate_size=2048,
+                          num_attention_heads=8, num_key_value_heads=8, head_dim=64, codebook_dim=256,
+                          vector_quantization_hidden_dimension=256, upsample_groups=512)),
+}
+SIZES["0.6b"] = dict(SIZES["1.7b"], hidden=1024, inter=3072, cp_hidden=1024)
+
+
+def _configs(tok: Tokenizer, variant: str, size: str = "tiny") -> dict[str, dict]:
     ids = tok.token_to_id
-    hidden, heads, kv_heads, cp_hidden = 64, 4, 2, 32
+    z = SIZES[size]
+    hidden, heads, kv_heads, cp_hidden = z["hidden"], z["heads"], z["kv_heads"], z["cp_hidden"]
     talker = {
         "model_type": "qwen3_tts_talker", "vocab_size": 3072, "hidden_size": hidden,
-        "intermediate_size": 2 * hidden, "num_hidden_layers": 2, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "hidden_act": "silu",
+        "intermediate_size": z["inter"], "num_hidden_layers": z["layers"], "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": z["head_dim"], "hidden_act": "silu",
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "rope_scaling": {"interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default"},
-        "num_code_groups": 16, "text_hidden_size": 32, "text_vocab_size": tok.get_vocab_size(),
+        "rope_scaling": {"interleaved": True, "mrope_section": z["mrope"], "rope_type": "default"},
+        "num_code_groups": 16, "text_hidden_size": z["text_hidden"],
+        "text_vocab_size": z["text_vocab"] or tok.get_vocab_size(),
         "position_id_per_seconds": 13, "codec_language_id": dict(_LANGUAGES),
         "spk_id": dict(_SPEAKERS) if variant == "custom_voice" else {},
         "spk_is_dialect": dict(_DIALECT) if variant == "custom_voice" else {},
         "code_predictor_config": {
-            "vocab_size": 2048, "hidden_size": cp_hidden, "intermediate_size": 2 * cp_hidden,
-            "num_hidden_layers": 2, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-            "head_dim": cp_hidden // heads, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+            "vocab_size": 2048, "hidden_size": cp_hidden, "intermediate_size": z["cp_inter"],
+            "num_hidden_layers": z["cp_layers"], "num_attention_heads": z["cp_heads"],
+            "num_key_value_heads": z["cp_kv"], "head_dim": z["cp_head_dim"], "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
             "rope_theta": 1000000.0, "rope_scaling": None, "num_code_groups": 16,
         },
         **_CODEC_IDS,
     }
     config = {
         "architectures": ["Qwen3TTSForConditionalGeneration"], "model_type": "qwen3_tts",
-        "tts_model_type": variant, "tts_model_size": "tiny", "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "tts_model_type": variant, "tts_model_size": {"0.6b": "0b6", "1.7b": "1b7"}.get(size, size), "tokenizer_type": "qwen3_tts_tokenizer_12hz",
         "im_start_token_id": ids("<|im_start|>"), "im_end_token_id": ids("<|im_end|>"),
         "tts_pad_token_id": ids("<tts_pad>"), "tts_bos_token_id": ids("<tts_text_bos>"),
         "tts_eos_token_id": ids("<tts_text_eod>"), "assistant_token_id": ids("assistant"),
         "talker_config": talker,
         "speaker_encoder_config": {
-            "mel_dim": 128, "enc_dim": hidden, "enc_channels": [32, 32, 32, 32, 96],
+            "mel_dim": 128, "enc_dim": hidden, "enc_channels": z["spk_channels"],
             "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1],
-            "enc_attention_channels": 16, "enc_res2net_scale": 8, "enc_se_channels": 16, "sample_rate": 24000,
+            "enc_attention_channels": z["spk_attn"], "enc_res2net_scale": 8, "enc_se_channels": z["spk_se"],
+            "sample_rate": 24000,
         },
-        "omniloop_note": "tiny random-weight default built by omniloop; not a trained model",
+        "omniloop_note": f"{size} layout built by omniloop for random weights; not a trained model",
     }
     generation = {
         "do_sample": True, "top_k": 50, "top_p": 1.0, "temperature": 0.9, "repetition_penalty": 1.05,
         "subtalker_dosample": True, "subtalker_top_k": 50, "subtalker_top_p": 1.0,
-        "subtalker_temperature": 0.9, "max_new_tokens": 75,  # random weights rarely stop: cap at 6 s
+        "subtalker_temperature": 0.9, "max_new_tokens": z["max_new_tokens"],  # random weights rarely stop
     }
     speech = {
         "model_type": "qwen3_tts_tokenizer_12hz", "encoder_valid_num_quantizers": 16,
         "input_sample_rate": 24000, "output_sample_rate": 24000,
         "decode_upsample_rate": 1920, "encode_downsample_rate": 1920,
-        "encoder_config": {
+        "encoder_config": {**{
             "sampling_rate": 24000, "frame_rate": 12.5, "audio_channels": 1, "hidden_size": 32,
             "num_filters": 4, "num_residual_layers": 1, "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7,
             "last_kernel_size": 3, "residual_kernel_size": 3, "dilation_growth_rate": 2,
@@ -126,8 +155,8 @@ def _configs(tok: Tokenizer, variant: str) -> dict[str, dict]:
             "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "gelu", "max_position_embeddings": 8000,
             "norm_eps": 1e-5, "use_cache": False, "rope_theta": 10000.0, "sliding_window": 250,
             "layer_scale_initial_scale": 0.01,
-        },
-        "decoder_config": {
+        }, **z["enc"]},
+        "decoder_config": {**{
             "codebook_size": 2048, "codebook_dim": 32, "hidden_size": 32, "latent_dim": 64, "head_dim": 16,
             "num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 64,
             "num_hidden_layers": 1, "num_quantizers": 16, "num_semantic_quantizers": 1,
@@ -135,7 +164,7 @@ def _configs(tok: Tokenizer, variant: str) -> dict[str, dict]:
             "sliding_window": 72, "max_position_embeddings": 8000, "rope_theta": 10000, "hidden_act": "silu",
             "layer_scale_initial_scale": 0.01, "rms_norm_eps": 1e-5, "upsample_rates": [8, 5, 4, 3],
             "upsampling_ratios": [2, 2], "decoder_dim": 64,
-        },
+        }, **z["dec"]},
     }
     preprocessor = {
         "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1, "sampling_rate": 24000,
@@ -150,14 +179,18 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("OMNILOOP_CACHE", Path.home() / ".cache" / "omniloop"))
 
 
-def ensure_tiny_checkpoint(variant: str = "custom_voice", cache_dir: Path | None = None) -> Path:
-    """Write (once) and return the tiny layout for ``variant`` (base | custom_voice | voice_design)."""
+def ensure_tiny_checkpoint(variant: str = "custom_voice", cache_dir: Path | None = None,
+                           size: str = "tiny") -> Path:
+    """Write (once) and return the layout (configs + tokenizer, no weights) for ``variant`` (base |
+    custom_voice | voice_design) at ``size`` (tiny | 0.6b | 1.7b); load it with ``load_format: dummy``."""
     if variant not in ("base", "custom_voice", "voice_design"):
-        raise ValueError(f"tiny variant must be base, custom_voice or voice_design, got {variant!r}")
+        raise ValueError(f"variant must be base, custom_voice or voice_design, got {variant!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {list(SIZES)}, got {size!r}")
     tok = build_tokenizer()
-    files = _configs(tok, variant)
+    files = _configs(tok, variant, size)
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode() + tok.to_str().encode()).hexdigest()[:12]
-    out = (cache_dir or default_cache_dir()) / f"tiny-qwen3-tts-{variant}-v{TINY_VERSION}-{digest}"
+    out = (cache_dir or default_cache_dir()) / f"{size}-qwen3-tts-{variant}-v{TINY_VERSION}-{digest}"
     if (out / "tokenizer.json").is_file():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

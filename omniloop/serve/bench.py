@@ -1,0 +1,177 @@
+"""``omniloop bench``: drive the engine in-process at several concurrency levels and report throughput,
+first-audio latency, end-to-end latency and playback underruns.
+
+Each stream is a client that starts playing at its first audio and plays in real time: an *underrun* is
+any moment its player runs dry before the request finished; *gap* is the total time it spent dry. With
+random weights the talker rarely stops, so every request is capped at ``--max-frames`` (the number of
+frames each request produces then is known, and the audio seconds are counted, not assumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from omniloop.profile import Profile, load_profile
+from omniloop.transport.messages import SpeechRequest
+
+SAMPLE_RATE = 24000
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wise owls sing softly about rain and "
+         "distant mountains under a pale blue sky").split()
+
+
+@dataclass
+class StreamResult:
+    first_audio_s: float
+    end_s: float
+    audio_s: float
+    gap_s: float
+    reason: str
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    num_requests: int
+    wall_s: float
+    audio_s_per_s: float
+    first_audio_mean_s: float
+    first_audio_p95_s: float
+    end_to_end_mean_s: float
+    end_to_end_p95_s: float
+    rtf_mean: float  # request wall time / its audio duration
+    underrun_fraction: float  # requests whose player ran dry at least once (>1 ms)
+    gap_mean_s: float
+    errors: int
+
+
+def _text(num_words: int, i: int) -> str:
+    return " ".join(WORDS[(i + k) % len(WORDS)] for k in range(num_words)).capitalize() + "."
+
+
+async def _one(engine, request: SpeechRequest) -> StreamResult:
+    start = time.perf_counter()
+    first = None
+    played = 0.0  # audio seconds received so far
+    stall = 0.0
+    reason = "error"
+    async for out in engine.generate(request):
+        now = time.perf_counter()
+        if out.pcm is not None and len(out.pcm):
+            if first is None:
+                first = now
+            else:
+                dry_at = first + stall + played  # when the player runs out of what it has
+                if now > dry_at:
+                    stall += now - dry_at
+            played += len(out.pcm) / SAMPLE_RATE
+        if out.finish is not None:
+            reason = out.finish.reason
+    end = time.perf_counter()
+    return StreamResult(first_audio_s=(first or end) - start, end_s=end - start, audio_s=played, gap_s=stall,
+                        reason=reason)
+
+
+async def _level(engine, concurrency: int, num_requests: int, num_words: int, max_frames: int,
+                 speaker: str | None) -> LevelResult:
+    queue = list(range(num_requests))
+    results: list[StreamResult] = []
+
+    async def client() -> None:
+        while queue:
+            i = queue.pop()
+            req = SpeechRequest(text=_text(num_words, i), speaker=speaker, max_frames=max_frames)
+            results.append(await _one(engine, req))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r.reason in ("stop", "length")]
+    first = np.array([r.first_audio_s for r in ok]) if ok else np.zeros(1)
+    e2e = np.array([r.end_s for r in ok]) if ok else np.zeros(1)
+    return LevelResult(
+        concurrency=concurrency, num_requests=num_requests, wall_s=wall,
+        audio_s_per_s=sum(r.audio_s for r in ok) / wall,
+        first_audio_mean_s=float(first.mean()), first_audio_p95_s=float(np.percentile(first, 95)),
+        end_to_end_mean_s=float(e2e.mean()), end_to_end_p95_s=float(np.percentile(e2e, 95)),
+        rtf_mean=float(np.mean([r.end_s / max(r.audio_s, 1e-9) for r in ok])) if ok else 0.0,
+        underrun_fraction=float(np.mean([r.gap_s > 1e-3 for r in ok])) if ok else 0.0,
+        gap_mean_s=float(np.mean([r.gap_s for r in ok])) if ok else 0.0,
+        errors=len(results) - len(ok),
+    )
+
+
+async def run_bench(profile: Profile, levels: list[int], num_requests: int | None, num_words: int,
+                    max_frames: int) -> dict:
+    from omniloop.actors.engine import Engine
+
+    engine = await Engine.start(profile)
+    try:
+        speaker = engine.info.speakers[0] if engine.info.speakers else None
+        await _level(engine, 1, 2, num_words, max_frames, speaker)  # warm-up: first-use allocations, caches
+        out = []
+        for c in levels:
+            result = await _level(engine, c, num_requests or 2 * c, num_words, max_frames, speaker)
+            out.append(asdict(result))
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+        stats = await engine.refresh_stats()
+    finally:
+        await engine.shutdown(timeout_s=10)
+    return {"levels": out, "stage_stats": {k: _plain(v) for k, v in stats.items()}}
+
+
+def _plain(value: object) -> object:
+    import msgspec
+
+    try:
+        return msgspec.to_builtins(value)
+    except TypeError:
+        return str(value)
+
+
+def _provenance(args: argparse.Namespace) -> dict:
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    device = "cpu"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "device": device, "host": platform.node(), "python": platform.python_version()}
+
+
+def main(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.append(f"model_dir={args.model}")
+    if args.load_format:
+        overrides.append(f"load_format={args.load_format}")
+    profile = load_profile(args.profile, overrides, args.platform)
+    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    import uvloop
+
+    result = uvloop.run(run_bench(profile, levels, args.num_requests, args.text_words, args.max_frames or 100))
+    result["provenance"] = _provenance(args)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
