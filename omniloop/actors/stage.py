@@ -161,7 +161,9 @@ class StageActor:
     # ---- wake-up 2: a step completed
     def _on_step_done(self, plan: Any, started: float, future: asyncio.Future) -> None:
         self.num_in_flight -= 1
-        if self.is_stopping:
+        if self.is_stopping:  # steps failed by the runner's close: nobody is waiting for them any more
+            if not future.cancelled():
+                future.exception()
             return
         try:
             error = future.exception() if not future.cancelled() else asyncio.CancelledError("step cancelled")

@@ -1,0 +1,232 @@
+"""The talker stage's runner: executes ``ArStepPlan``s on the slot state of ``TalkerState``.
+
+One plan = admissions (slot resets) + prefill pieces (eager, batched, right-padded) + decode rows
+(the captured frame step, or the same function eagerly) -> one codes row per seq. Everything for a plan
+is enqueued in stream order, so a plan may be submitted while the previous one still runs: its
+decodes read the next inputs and frame counters that the previous plan writes on the device.
+
+CUDA: ``submit`` enqueues the work on the runner's stream, copies the codes into pinned memory
+asynchronously, records an event and hands (event, finalize) to the ``CudaObserver``; the loop thread
+never waits on the device. Host->device inputs go through pinned memory with ``non_blocking`` copies,
+because a pageable copy would synchronize the stream (and so wait for the plan in flight).
+CPU: ``step`` does the same work on the ``CpuRunner`` worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from omniloop.actors.doorway import Doorway
+from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets, kv_buckets
+from omniloop.gpu.kv_budget import module_bytes, size_talker_kv
+from omniloop.gpu.observer import CudaObserver
+from omniloop.gpu.runner import CpuRunner, Runner
+from omniloop.gpu.talker_state import TalkerState
+from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompt
+from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
+from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan, ArStepResult
+
+
+class TalkerPayload(Protocol):
+    """What ``ArNew.payload`` carries for this stage (the stage module defines the concrete type)."""
+
+    inputs: TtsInput
+    prompt: Prompt | None
+
+
+class TalkerSteps:
+    """The device work of one plan, shared by the CPU and CUDA runners; returns codes on the device."""
+
+    def __init__(self, model: Qwen3TtsModel, device: torch.device, max_num_seqs: int, max_len: int,
+                 graphs: tuple[tuple[int, ...], tuple[int, ...]] | None, stream: torch.cuda.Stream | None) -> None:
+        self.model, self.device = model, device
+        self.eos = model.cfg.talker.codec_eos_id
+        self.state = TalkerState.allocate(model, max_num_seqs, max_len, max_trailing=max_len)
+        self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
+
+    def _h2d(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``array`` on the device (into ``out`` if given). On CUDA through pinned memory: the caching
+        host allocator keeps the pinned block until the copy has run."""
+        t = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        if out is not None:
+            return out.copy_(t, non_blocking=True)
+        return t.to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def run(self, plan: ArStepPlan) -> torch.Tensor:
+        """Codes int64 ``[len(plan.seqs), 16]`` on the device; rows of seqs that did not sample are 0."""
+        for new in plan.new:
+            self._admit(new)
+        prefill = [i for i, seq in enumerate(plan.seqs) if not seq.is_decode]
+        decode = [i for i, seq in enumerate(plan.seqs) if seq.is_decode]
+        parts: list[torch.Tensor] = []
+        index = np.zeros(len(plan.seqs), dtype=np.int64)  # row of the concatenated parts each seq reads
+        offset = 0
+        if prefill:
+            codes, sampled = self._prefill([plan.seqs[i] for i in prefill])
+            for j, i in enumerate(sampled):
+                index[prefill[i]] = offset + j
+            parts.append(codes)
+            offset += codes.shape[0]
+        if decode:
+            codes = self._decode([plan.seqs[i] for i in decode])
+            index[decode] = offset + np.array([plan.seqs[i].slot for i in decode])
+            parts.append(codes)
+            offset += codes.shape[0]
+        parts.append(torch.zeros(1, 16, dtype=torch.int64, device=self.device))
+        unsampled = [i for i, seq in enumerate(plan.seqs) if not seq.is_sample]
+        index[unsampled] = offset
+        return torch.cat(parts)[self._h2d(index)]
+
+    def _admit(self, new: ArNew) -> None:
+        payload: TalkerPayload = new.payload
+        # build_prompt copies token ids from pageable memory, which syncs the stream once per admission
+        prompt = payload.prompt if payload.prompt is not None else build_prompt(self.model, payload.inputs)
+        inputs = payload.inputs
+        self.state.reset(new.slot, prompt.embeds.to(self.model.dtype), prompt.trailing, inputs.sampling or {},
+                         inputs.seed)
+
+    def _prefill(self, seqs: list[ArSeq]) -> tuple[torch.Tensor, list[int]]:
+        """One right-padded forward over every piece; samples a frame for pieces that end their prompt.
+        Returns (codes ``[num_sampled, 16]``, the indices into ``seqs`` that sampled)."""
+        state, max_len = self.state, self.state.max_len
+        longest = max(seq.num_tokens for seq in seqs)
+        pos = np.full((len(seqs), longest), max_len, dtype=np.int64)  # padding writes the scratch position
+        pieces = []
+        for i, seq in enumerate(seqs):  # packing only; the forward below is one batched call
+            prompt = state.prompts.get(seq.slot)
+            end = seq.start + seq.num_tokens
+            if prompt is None or end > prompt.shape[0]:
+                have = 0 if prompt is None else prompt.shape[0]
+                raise ValueError(f"request {seq.req_id!r}: prefill [{seq.start}, {end}) but slot {seq.slot} "
+                                 f"holds a prompt of {have} positions")
+            if end > max_len:
+                raise ValueError(f"request {seq.req_id!r}: prompt positions up to {end} exceed max_len {max_len}")
+            pieces.append(prompt[seq.start:end])
+            pos[i, : seq.num_tokens] = np.arange(seq.start, end)
+        x = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)
+        slots = np.array([seq.slot for seq in seqs], dtype=np.int64)
+        kv_len = max(seq.start + seq.num_tokens for seq in seqs)
+        hidden = self.model.talker.model(x, self._h2d(pos), state.cache.k, state.cache.v, self._h2d(slots), kv_len)
+        sampled = [i for i, seq in enumerate(seqs) if seq.is_sample]
+        for seq in seqs:
+            if seq.start + seq.num_tokens == state.prompts[seq.slot].shape[0]:
+                del state.prompts[seq.slot]  # the stream still uses it; the caching allocator orders the reuse
+        if not sampled:
+            return torch.zeros(0, 16, dtype=torch.int64, device=self.device), sampled
+        rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
+        rows_last_d = self._h2d(rows_last)
+        last = hidden[rows_last_d[0], rows_last_d[1]]
+        return self.state.frame_tail(self._h2d(slots[sampled]), last, None), sampled
+
+    def _decode(self, seqs: list[ArSeq]) -> torch.Tensor:
+        """The frame step for rows ``0..B-1`` (B >= the highest decoding slot + 1); returns codes ``[B, 16]``."""
+        state = self.state
+        slots = np.array([seq.slot for seq in seqs], dtype=np.int64)
+        starts = np.array([seq.start for seq in seqs], dtype=np.int64)
+        if starts.max() >= state.max_len:
+            raise ValueError(f"decode position {int(starts.max())} reaches max_len {state.max_len}")
+        num_rows, kv_len = int(slots.max()) + 1, int(starts.max()) + 1
+        if self.graphs is not None:
+            num_rows, kv_len = self.graphs.buckets_for(num_rows, kv_len)
+        positions = np.full(num_rows, state.max_len, dtype=np.int64)
+        positions[slots] = starts
+        active = np.zeros(num_rows, dtype=np.bool_)
+        active[slots] = True
+        self._h2d(positions, out=state.positions[:num_rows])
+        self._h2d(active, out=state.active[:num_rows])
+        if self.graphs is not None:
+            return self.graphs.replay(num_rows, kv_len)
+        return state.decode_frame(num_rows, kv_len)
+
+
+def _result(codes: np.ndarray, eos: int) -> ArStepResult:
+    return ArStepResult(codes=codes, is_stop=codes[:, 0] == eos)
+
+
+def _finalize(host: torch.Tensor, eos: int) -> ArStepResult:
+    """On the observer thread, after the step's event: an owned copy, so the pinned block can be recycled."""
+    return _result(host.numpy().copy(), eos)
+
+
+class CpuTalkerRunner(CpuRunner):
+    def __init__(self, model: Qwen3TtsModel, *, max_num_seqs: int, max_len: int,
+                 doorway: Doorway | None = None) -> None:
+        super().__init__("talker", doorway)
+        self.steps: TalkerSteps | None = TalkerSteps(model, torch.device("cpu"), max_num_seqs, max_len, None, None)
+
+    def step(self, plan: ArStepPlan) -> ArStepResult:
+        if self.steps is None:
+            raise RuntimeError("CpuTalkerRunner is closed")
+        return _result(self.steps.run(plan).numpy(), self.steps.eos)
+
+    def close(self) -> None:
+        super().close()
+        if self.steps is not None:
+            self.steps.model.cache = None
+            self.steps = None
+
+
+class CudaTalkerRunner(Runner):
+    def __init__(self, model: Qwen3TtsModel, *, device: torch.device, max_num_seqs: int, max_len: int,
+                 use_cuda_graphs: bool, doorway: Doorway | None = None,
+                 graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
+        super().__init__(doorway)
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        buckets = None
+        if use_cuda_graphs:
+            buckets = graph_buckets or (batch_buckets(max_num_seqs), kv_buckets(max_len))
+        with torch.cuda.device(device), torch.cuda.stream(self.stream):
+            self.steps: TalkerSteps | None = TalkerSteps(model, device, max_num_seqs, max_len, buckets, self.stream)
+        self.stream.synchronize()  # start-up only: allocation and capture are done before the first step
+        self._observer = self.add_observer(CudaObserver(self.doorway, name="talker-cuda-observer"))
+
+    def submit(self, plan: ArStepPlan) -> asyncio.Future:
+        if self.steps is None:
+            raise RuntimeError("CudaTalkerRunner is closed")
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                codes = self.steps.run(plan)
+                host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
+                host.copy_(codes, non_blocking=True)
+                event = torch.cuda.Event(blocking=True)  # the observer sleeps on it instead of spinning
+                event.record(self.stream)
+        except Exception as exc:  # noqa: BLE001 - a bad plan fails its own future, like a failed step
+            future = self.doorway.loop.create_future()
+            future.set_exception(exc)
+            return future
+        return self._observer.submit(event, functools.partial(_finalize, host, self.steps.eos))
+
+    def close(self) -> None:
+        super().close()
+        if self.steps is not None:
+            self.steps.model.cache = None
+            self.steps = None
+            torch.cuda.empty_cache()
+
+
+def TalkerRunner(model: Qwen3TtsModel, *, device: torch.device | str, max_num_seqs: int, max_len: int,  # noqa: N802
+                 use_cuda_graphs: bool, doorway: Doorway | None = None, gpu_memory_fraction: float | None = None,
+                 graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                 stage: str = "talker") -> CpuTalkerRunner | CudaTalkerRunner:
+    """The talker runner for ``device``: the CUDA runner (graphs optional) or the CPU one.
+
+    ``gpu_memory_fraction`` (CUDA): check that ``max_num_seqs`` x ``max_len`` fits the stage's share of
+    device memory before allocating, with an error naming the numbers (see ``kv_budget``)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CpuTalkerRunner(model, max_num_seqs=max_num_seqs, max_len=max_len, doorway=doorway)
+    if gpu_memory_fraction is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        size_talker_kv(stage, model.cfg, model.dtype, max_num_seqs=max_num_seqs, total_bytes=total,
+                       gpu_memory_fraction=gpu_memory_fraction, weight_bytes=module_bytes(model), max_len=max_len)
+    return CudaTalkerRunner(model, device=device, max_num_seqs=max_num_seqs, max_len=max_len,
+                            use_cuda_graphs=use_cuda_graphs, doorway=doorway, graph_buckets=graph_buckets)

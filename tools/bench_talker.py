@@ -1,0 +1,261 @@
+"""Talker-stage step times on real-size Qwen3-TTS-1.7B shapes (random weights, bf16, CUDA).
+
+Per batch size: the decode frame step (talker decode + codec head + sampling + 15-step code predictor
++ next input) eager vs CUDA graph; talker decode alone and code predictor alone (graph); the runner end
+to end (plans through ``CudaTalkerRunner.submit`` with 2 in flight, decode-only steady state); and the
+bandwidth floor (weights + KV bytes read per step at 4.26 TB/s, PERF-NOTES' measured copy rate).
+
+    python tools/bench_talker.py --batch 1 8 64 --context 256 [--out benchmarks/talker-steps.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import torch
+
+from omniloop.gpu.cuda_graphs import FrameGraphs
+from omniloop.gpu.kv_budget import module_bytes
+from omniloop.gpu.talker_runner import TalkerRunner
+from omniloop.models.qwen3_tts.config import parse_tts_config
+from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput
+from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
+from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan
+
+COPY_BYTES_PER_S = 4.26e12
+
+
+@dataclass
+class _Payload:
+    inputs: TtsInput
+    prompt: Prompt | None
+SAMPLED = dict(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
+               sub_do_sample=True, sub_temperature=0.9, sub_top_k=50, sub_top_p=1.0)
+
+
+def config_1p7b() -> dict:
+    """Qwen3-TTS-12Hz-1.7B sizes (released config.json), in the spelling our parser reads."""
+    cp = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
+              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+              rope_parameters=dict(rope_type="default", rope_theta=1e6), num_code_groups=16)
+    talker = dict(vocab_size=3072, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                  rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[24, 20, 20],
+                                       interleaved=True),
+                  num_code_groups=16, text_hidden_size=2048, text_vocab_size=151936, code_predictor_config=cp,
+                  codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,
+                  codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
+                  codec_language_id=dict(english=2050), spk_id={}, spk_is_dialect={})
+    return dict(tts_model_type="base", tts_model_size="1b7", im_start_token_id=151644, im_end_token_id=151645,
+                assistant_token_id=77091, tts_pad_token_id=151671, tts_bos_token_id=151672,
+                tts_eos_token_id=151673, talker_config=talker, speaker_encoder_config=dict(enc_dim=2048))
+
+
+def time_ms(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+@torch.no_grad()
+def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: int) -> list[dict]:
+    from omniloop.gpu.talker_state import TalkerState
+
+    state = TalkerState.allocate(model, max(batch), context + 8, max_trailing=64)
+    for slot in range(max(batch)):
+        state.reset(slot, torch.zeros(1, 1), torch.zeros(4, model.cfg.talker.decoder.hidden_size), SAMPLED, slot)
+    state.next_input.normal_()
+    dec, cp = model.talker.model, model.code_predictor
+    talker_bytes = module_bytes(dec) + module_bytes(model.talker.codec_head)
+    cp_bytes = module_bytes(cp.model) + sum(module_bytes(h) for h in cp.lm_head) + module_bytes(cp.small_to_mtp_projection)
+    kv_per_token = model.cfg.talker.decoder.num_layers * 2 * 8 * 128 * 2
+    rows = []
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graphs = FrameGraphs(state, stream, tuple(batch), (context,))
+        for b in batch:
+            state.active[:b] = True
+            state.positions[:b] = context - 1  # every row reads the whole bucket: context keys
+            frame_graph = lambda b=b: graphs.replay(b, context)  # noqa: E731
+            eager = lambda b=b: state.decode_frame(b, context)  # noqa: E731
+            x = state.next_input[:b, None]
+            pos = state.positions[:b, None]
+            talker_only = graph_of(lambda: dec(x, pos, state.cache.k, state.cache.v, None, context))
+            hidden = torch.randn(b, 2048, device="cuda", dtype=model.dtype)
+            params = type(state.params)(**{k: v[:b] for k, v in vars(state.params).items()})
+            code0 = torch.zeros(b, dtype=torch.int64, device="cuda")
+            cp_only = graph_of(lambda: cp.predict(hidden, model.codec_embed(code0), params, state.step[:b]))
+            floor_talker = (talker_bytes + b * context * kv_per_token) / COPY_BYTES_PER_S * 1e3
+            floor_cp = 15 * cp_bytes / COPY_BYTES_PER_S * 1e3
+            rows.append(dict(
+                batch=b, context=context,
+                frame_graph_ms=time_ms(frame_graph, iters), frame_eager_ms=time_ms(eager, max(3, iters // 10)),
+                talker_graph_ms=time_ms(talker_only.replay, iters), cp_graph_ms=time_ms(cp_only.replay, iters),
+                floor_talker_ms=floor_talker, floor_cp_ms=floor_cp))
+            print(json.dumps(rows[-1]), flush=True)
+    stream.synchronize()
+    model.cache = None
+    return rows
+
+
+async def _runner_steps(model: Qwen3TtsModel, b: int, context: int, steps: int) -> float:
+    """Seconds per decode plan, steady state, 2 plans in flight, through ``submit``."""
+    max_len = context + steps + 16
+    runner = TalkerRunner(model, device="cuda", max_num_seqs=b, max_len=max_len, use_cuda_graphs=True,
+                          graph_buckets=((b,), (max_len,)))
+    h = model.cfg.talker.decoder.hidden_size
+    try:
+        prompt_len = context - 1
+        new, seqs = [], []
+        for slot in range(b):
+            prompt = Prompt(embeds=torch.randn(prompt_len, h, device="cuda", dtype=model.dtype),
+                            trailing=torch.randn(4, h, device="cuda", dtype=model.dtype))
+            inputs = TtsInput(task="base", input_ids=torch.zeros(9, dtype=torch.int64), sampling=SAMPLED, seed=slot)
+            new.append(ArNew(f"r{slot}", slot, _Payload(inputs, prompt)))
+            seqs.append(ArSeq(f"r{slot}", slot, 0, prompt_len, True, False))
+        await runner.submit(ArStepPlan(0, seqs, new))
+        pending: list[asyncio.Future] = []
+        t0 = 0.0
+        for k in range(steps):
+            if k == 5:
+                t0 = time.perf_counter()
+            plan = ArStepPlan(k + 1, [ArSeq(f"r{s}", s, prompt_len + k, 1, True, True) for s in range(b)])
+            pending.append(runner.submit(plan))
+            if len(pending) == 2:
+                await pending.pop(0)
+        for f in pending:
+            await f
+        return (time.perf_counter() - t0) / (steps - 5)
+    finally:
+        runner.close()
+
+
+@torch.no_grad()
+def bench_compiled_cp(model: Qwen3TtsModel, batch: list[int]) -> list[dict]:
+    """The code predictor loop through ``torch.compile`` (default mode), then captured: time vs the plain
+    graph, and how many codes equal the plain version on the same inputs (greedy sub-sampling)."""
+    from omniloop.models.qwen3_tts.generate import GREEDY
+    from omniloop.models.qwen3_tts.sampling import SamplingParams
+
+    cp = model.code_predictor
+    compiled = torch.compile(cp.predict, dynamic=False)
+    rows = []
+    for b in batch:
+        params = SamplingParams.stack([dict(GREEDY, seed=i) for i in range(b)], "cuda")
+        hidden = torch.randn(b, 2048, device="cuda", dtype=model.dtype)
+        emb = torch.randn(b, 2048, device="cuda", dtype=model.dtype)
+        step = torch.zeros(b, dtype=torch.int64, device="cuda")
+        t0 = time.perf_counter()
+        compiled(hidden, emb, params, step)
+        compile_s = time.perf_counter() - t0
+        out = {}
+        plain_graph = graph_of(lambda: out.__setitem__("plain", cp.predict(hidden, emb, params, step)))
+        fused_graph = graph_of(lambda: out.__setitem__("fused", compiled(hidden, emb, params, step)))
+        plain_graph.replay()
+        fused_graph.replay()
+        torch.cuda.synchronize()
+        rows.append(dict(batch=b, compile_s=compile_s, cp_graph_ms=time_ms(plain_graph.replay, 50),
+                         cp_compiled_graph_ms=time_ms(fused_graph.replay, 50),
+                         codes_equal=(out["plain"] == out["fused"]).float().mean().item()))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.no_grad()
+def bench_sampling(batch: list[int]) -> list[dict]:
+    """What the 16 per-frame samplings cost alone (graph): code 0 over 3072 ids + 15 x 2048, and the
+    counter-based uniforms alone, plain and through ``torch.compile`` (elementwise: fuses into one kernel)."""
+    from omniloop.models.qwen3_tts.sampling import counter_uniform, sample
+
+    fused_uniform = torch.compile(counter_uniform, dynamic=False)
+    rows = []
+    for b in batch:
+        args = dict(do_sample=torch.ones(b, dtype=torch.bool, device="cuda"),
+                    temperature=torch.full((b,), 0.9, device="cuda"),
+                    top_k=torch.full((b,), 50, dtype=torch.int64, device="cuda"),
+                    top_p=torch.ones(b, device="cuda"), seed=torch.arange(b, device="cuda"),
+                    step=torch.zeros(b, dtype=torch.int64, device="cuda"))
+        logits0, logits = torch.randn(b, 3072, device="cuda"), torch.randn(b, 2048, device="cuda")
+
+        def frame() -> None:
+            sample(logits0, group=0, **args)
+            for g in range(1, 16):
+                sample(logits, group=g, **args)
+
+        def uniforms(fn=counter_uniform) -> None:
+            fn(args["seed"], args["step"], 0, 3072)
+            for g in range(1, 16):
+                fn(args["seed"], args["step"], g, 2048)
+
+        t0 = time.perf_counter()
+        uniforms(fused_uniform)
+        compile_s = time.perf_counter() - t0
+        same = torch.equal(fused_uniform(args["seed"], args["step"], 3, 2048), counter_uniform(args["seed"], args["step"], 3, 2048))
+        rows.append(dict(batch=b, sample16_graph_ms=time_ms(graph_of(frame).replay, 50),
+                         uniform16_graph_ms=time_ms(graph_of(uniforms).replay, 50),
+                         uniform16_compiled_graph_ms=time_ms(graph_of(lambda: uniforms(fused_uniform)).replay, 50),
+                         compile_s=compile_s, compiled_uniform_bitwise_equal=same))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--runner-steps", type=int, default=60)
+    parser.add_argument("--compile", action="store_true", help="only the torch.compile experiment")
+    parser.add_argument("--sampling", action="store_true", help="only the sampling cost breakdown")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    cfg = parse_tts_config(config_1p7b(), None)
+    model = Qwen3TtsModel(cfg, device="cuda", dtype=torch.bfloat16).eval()  # random init: timing only
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
+    if args.compile or args.sampling:
+        rows = bench_compiled_cp(model, args.batch) if args.compile else bench_sampling(args.batch)
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return
+    rows = bench_pieces(model, args.batch, args.context, args.iters)
+    for row in rows:
+        per_plan = asyncio.run(_runner_steps(model, row["batch"], args.context, args.runner_steps))
+        row["runner_plan_ms"] = per_plan * 1e3
+        row["runner_frames_per_s"] = row["batch"] / per_plan
+        print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
