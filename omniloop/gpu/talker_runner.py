@@ -48,6 +48,8 @@ class TalkerSteps:
         self.eos = model.cfg.talker.codec_eos_id
         self.state = TalkerState.allocate(model, max_num_seqs, max_len, max_trailing=max_len)
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
+        # a voice clone's reference frames, sent with its first frame so the codec primes its state
+        self.context: dict[int, np.ndarray] = {}
 
     def _h2d(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         """``array`` on the device (into ``out`` if given). On CUDA through pinned memory: the caching
@@ -60,10 +62,15 @@ class TalkerSteps:
         return t.to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def run(self, plan: ArStepPlan) -> torch.Tensor:
-        """Codes int64 ``[len(plan.seqs), 16]`` on the device; rows of seqs that did not sample are 0."""
+    def run(self, plan: ArStepPlan) -> tuple[torch.Tensor, dict[int, dict[str, np.ndarray]] | None]:
+        """Codes int64 ``[len(plan.seqs), 16]`` on the device (rows of seqs that did not sample are 0), and
+        the arrays to attach to some rows' chunks (``ArStepResult.extras``)."""
         for new in plan.new:
             self._admit(new)
+        extras = None
+        if self.context:
+            extras = {i: {"context_codes": self.context.pop(seq.slot)} for i, seq in enumerate(plan.seqs)
+                      if seq.is_sample and seq.slot in self.context} or None
         prefill = [i for i, seq in enumerate(plan.seqs) if not seq.is_decode]
         decode = [i for i, seq in enumerate(plan.seqs) if seq.is_decode]
         parts: list[torch.Tensor] = []
@@ -83,13 +90,16 @@ class TalkerSteps:
         parts.append(torch.zeros(1, 16, dtype=torch.int64, device=self.device))
         unsampled = [i for i, seq in enumerate(plan.seqs) if not seq.is_sample]
         index[unsampled] = offset
-        return torch.cat(parts)[self._h2d(index)]
+        return torch.cat(parts)[self._h2d(index)], extras
 
     def _admit(self, new: ArNew) -> None:
         payload: TalkerPayload = new.payload
         # build_prompt copies token ids from pageable memory, which syncs the stream once per admission
         prompt = payload.prompt if payload.prompt is not None else build_prompt(self.model, payload.inputs)
         inputs = payload.inputs
+        self.context.pop(new.slot, None)
+        if inputs.ref_code is not None:
+            self.context[new.slot] = inputs.ref_code.cpu().numpy().astype(np.int64)
         self.state.reset(new.slot, prompt.embeds.to(self.model.dtype), prompt.trailing, inputs.sampling or {},
                          inputs.seed)
 
@@ -147,13 +157,13 @@ class TalkerSteps:
         return state.decode_frame(num_rows, kv_len)
 
 
-def _result(codes: np.ndarray, eos: int) -> ArStepResult:
-    return ArStepResult(codes=codes, is_stop=codes[:, 0] == eos)
+def _result(codes: np.ndarray, eos: int, extras: dict[int, dict[str, np.ndarray]] | None) -> ArStepResult:
+    return ArStepResult(codes=codes, is_stop=codes[:, 0] == eos, extras=extras)
 
 
-def _finalize(host: torch.Tensor, eos: int) -> ArStepResult:
+def _finalize(host: torch.Tensor, eos: int, extras: dict[int, dict[str, np.ndarray]] | None) -> ArStepResult:
     """On the observer thread, after the step's event: an owned copy, so the pinned block can be recycled."""
-    return _result(host.numpy().copy(), eos)
+    return _result(host.numpy().copy(), eos, extras)
 
 
 class CpuTalkerRunner(CpuRunner):
@@ -165,7 +175,8 @@ class CpuTalkerRunner(CpuRunner):
     def step(self, plan: ArStepPlan) -> ArStepResult:
         if self.steps is None:
             raise RuntimeError("CpuTalkerRunner is closed")
-        return _result(self.steps.run(plan).numpy(), self.steps.eos)
+        codes, extras = self.steps.run(plan)
+        return _result(codes.numpy(), self.steps.eos, extras)
 
     def close(self) -> None:
         super().close()
@@ -194,7 +205,7 @@ class CudaTalkerRunner(Runner):
             raise RuntimeError("CudaTalkerRunner is closed")
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                codes = self.steps.run(plan)
+                codes, extras = self.steps.run(plan)
                 host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
                 host.copy_(codes, non_blocking=True)
                 event = torch.cuda.Event(blocking=True)  # the observer sleeps on it instead of spinning
@@ -203,7 +214,7 @@ class CudaTalkerRunner(Runner):
             future = self.doorway.loop.create_future()
             future.set_exception(exc)
             return future
-        return self._observer.submit(event, functools.partial(_finalize, host, self.steps.eos))
+        return self._observer.submit(event, functools.partial(_finalize, host, self.steps.eos, extras))
 
     def close(self) -> None:
         super().close()
