@@ -54,3 +54,30 @@ async def test_codec_limit_ends_with_a_clear_error_after_the_audio_so_far() -> N
     assert finish is not None and finish.reason == "codec_limit"
     assert "5" in finish.error and "limit" in finish.error
     assert sum(len(p) for p in pcm) == 5 * 1920  # the frames before the limit were played, nothing after
+
+
+async def test_tts_stages_release_threads_on_shutdown_with_requests_in_flight() -> None:
+    import asyncio
+    import threading
+
+    from omniloop.transport.channel import context_users
+
+    before = {t.ident for t in threading.enumerate()}
+    profile = load_profile("qwen3_tts", ["transport=inproc", "stages.talker.placement=thread",
+                                         "stages.codec.placement=thread"], platform="cpu")
+    engine = await Engine.start(profile)
+    finishes = []
+
+    async def consume(i: int) -> None:
+        async for out in engine.generate(SpeechRequest(text=f"Request {i}.", speaker="ryan", max_frames=200)):
+            if out.finish is not None:
+                finishes.append(out.finish)
+
+    tasks = [asyncio.create_task(consume(i)) for i in range(3)]
+    await asyncio.sleep(0.5)  # requests are mid-stream
+    await engine.shutdown(timeout_s=0.1)
+    await asyncio.gather(*tasks)
+    assert [f.reason for f in finishes] == ["shutdown"] * 3  # cut off mid-stream, each told so
+    leftover = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert leftover == [], leftover
+    assert context_users() == 0
