@@ -185,7 +185,7 @@ def test_chat_on_a_tts_only_model_says_so(server: ServerProc) -> None:
 
 
 async def test_chat_response_assembly_over_the_real_engine_with_the_fake_thinker() -> None:
-    # No served model supports chat yet (ModelInfo of fake3 lists no "chat"), so drive the chat path's
+    # Drive the chat path's
     # parsing and OpenAI response assembly directly over a real Engine running thinker -> talker -> codec.
     from omniloop.actors.engine import Engine
     from omniloop.profile import load_profile

@@ -80,8 +80,9 @@ class TalkerState:
         params = SamplingParams(**{f.name: take(getattr(self.params, f.name)) for f in fields(SamplingParams)})
         step = take(self.step)
         logits = model.talker.codec_head(hidden)
-        code0 = sample_code0(logits, params, take(cache.seen), step, model.cfg.talker.codec_eos_id)
-        rest = model.code_predictor.predict(hidden, model.codec_embed(code0), params, step)
+        noise0, noise_sub = model.frame_noise(params, step)
+        code0 = sample_code0(logits, params, take(cache.seen), step, model.cfg.talker.codec_eos_id, noise0)
+        rest = model.code_predictor.predict(hidden, model.codec_embed(code0), params, step, noise_sub)
         codes = torch.cat((code0[:, None], rest), dim=1)
         slots = torch.arange(b, device=hidden.device) if rows is None else rows
         embeds = model.next_input(slots, codes, step)

@@ -226,4 +226,5 @@ def validate(request: Any, profile: Any) -> None:
 
 @register_info("fake")
 def info(profile: Any) -> ModelInfo:
-    return ModelInfo(name=profile.name, task_types=("custom_voice",), speakers=("fake",), languages=("auto",))
+    return ModelInfo(name=profile.name, task_types=("custom_voice",), speakers=("fake",), languages=("auto",),
+                     supports_chat=profile.first_stage.model == "fake.thinker")

@@ -28,6 +28,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     speakers: tuple[str, ...] = ()
     languages: tuple[str, ...] = ()
     sample_rate: int = 24000
+    supports_chat: bool = False  # takes ChatRequest (a thinker stage first), not only SpeechRequest
 
 
 Builder = Callable[[Any, Any], Worker]  # (StageConfig, Profile) -> Worker

@@ -2,8 +2,9 @@
 
 The request is validated and mapped to a ChatRequest whatever model is loaded, so a bad body gets its
 400 even on a TTS-only server, which then answers 404 "does not support chat completions". Responses
-follow OpenAI's audio-output shape: text-only -> ``content``; with audio -> ``audio`` {id, data,
-transcript} (streaming: ``delta.audio.data`` is base64 pcm16 24 kHz, ``delta.audio.transcript`` text).
+follow OpenAI's audio-output shape: text in ``content``; with audio also ``audio`` {id, data, transcript}
+(streaming: ``delta.content`` and ``delta.audio.transcript`` carry the text delta, ``delta.audio.data`` is
+base64 pcm16 24 kHz).
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ class ChatAssembler:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.want_audio:
             pcm = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-            message["content"] = None  # OpenAI: with audio output the text is the audio's transcript
+            # the text is both the message content (what vLLM-Omni clients read) and the audio's transcript
+            # (what OpenAI's audio-output clients read)
             message["audio"] = {
                 "id": self.audio_id,
                 "data": base64.b64encode(encode_file(pcm, fmt)).decode(),
@@ -171,10 +173,12 @@ class ChatAssembler:
         return self._envelope("chat.completion", [{"index": 0, "message": message, "finish_reason": gen.finish_reason}])
 
     async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
-        yield self._chunk({"role": "assistant", "content": "" if not self.want_audio else None})
+        yield self._chunk({"role": "assistant", "content": ""})
         async for pcm, text in gen.outputs():
             if text:
-                delta = {"audio": {"id": self.audio_id, "transcript": text}} if self.want_audio else {"content": text}
+                delta: dict[str, Any] = {"content": text}
+                if self.want_audio:
+                    delta["audio"] = {"id": self.audio_id, "transcript": text}
                 yield self._chunk(delta)
             if pcm is not None and len(pcm) and self.want_audio:
                 yield self._chunk({"audio": {"id": self.audio_id, "data": base64.b64encode(to_s16le(pcm)).decode()}})

@@ -14,7 +14,7 @@ from torch import nn
 
 from omniloop.models.qwen3_tts.config import TalkerConfig
 from omniloop.models.qwen3_tts.layers import DecoderStack
-from omniloop.models.qwen3_tts.sampling import SamplingParams, sample_sub
+from omniloop.models.qwen3_tts.sampling import SamplingParams, counter_uniform_groups, gumbel_noise, sample_sub
 
 
 class CodePredictor(nn.Module):
@@ -38,26 +38,31 @@ class CodePredictor(nn.Module):
     def new_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cp = self.cfg
         shape = (cp.num_layers, batch, cp.num_kv_heads, self.num_groups + 1, cp.head_dim)
-        return torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        # never read before written: every step attends only over the positions already filled
+        return torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
 
     def predict(self, hidden: torch.Tensor, code0_embed: torch.Tensor, params: SamplingParams,
-                step: torch.Tensor) -> torch.Tensor:
-        """hidden, code0_embed ``[B, H_talker]`` -> codebooks 1..15 ``[B, num_groups - 1]``."""
+                step: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden, code0_embed ``[B, H_talker]`` -> codebooks 1..15 ``[B, num_groups - 1]``. ``noise``: the
+        frame's Gumbel noise of codebooks 1..15 ``[B, 15, vocab]`` (``sampling.frame_noise``), drawn here
+        when not given."""
         b = hidden.shape[0]
-        # row i owns cache row i, so attention reads it by slicing (slots=None) rather than gathering
+        if noise is None:
+            noise = gumbel_noise(counter_uniform_groups(params.seed, step, 1, self.num_groups - 1,
+                                                        self.cfg.vocab_size))
+        # row i owns cache row i, so attention reads it by slicing (slots=None) rather than gathering;
+        # every row is at the same step, so positions are Python ints: no mask, no position tensors
         k_cache, v_cache = self.new_cache(b, hidden.device, hidden.dtype)
         x = self.small_to_mtp_projection(torch.stack((hidden, code0_embed), dim=1))
-        pos = torch.arange(2, device=hidden.device).expand(b, 2)
-        out = self.model(x, pos, k_cache, v_cache, None, kv_len=2)[:, -1]
+        out = self.model(x, 0, k_cache, v_cache, None, kv_len=2)[:, -1]
         codes = []
         for g in range(self.num_groups - 1):
-            code = sample_sub(self.lm_head[g](out), params, step, g + 1)
+            code = sample_sub(self.lm_head[g](out), params, step, g + 1, noise[:, g])
             codes.append(code)
             if g == self.num_groups - 2:
                 break
             x = self.small_to_mtp_projection(self.codec_embedding[g](code))[:, None]
-            pos = torch.full((b, 1), g + 2, device=hidden.device, dtype=torch.int64)
-            out = self.model(x, pos, k_cache, v_cache, None, kv_len=g + 3)[:, 0]
+            out = self.model(x, g + 2, k_cache, v_cache, None, kv_len=g + 3)[:, 0]
         return torch.stack(codes, dim=1)
 
     def embed_codes(self, codes: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,20 @@ Attention reads and writes a *slot* KV cache: ``k_cache``/``v_cache`` of one lay
 ``[num_slots, kv_heads, max_len, head_dim]``; a batch row names its slot and the absolute cache
 position of each of its tokens. Prefill (many tokens per row) and decode (one token per row) are the
 same code path, so a prompt prefilled with others gives the same keys as one prefilled alone.
+
+Two ways to give positions: a ``[B, L]`` tensor (each row its own, masked per row), or a Python int
+``start`` shared by every row (the code predictor: all rows at the same step, every key valid, so
+attention needs no mask and the cache write is a slice copy).
+
+On CUDA the same math runs in fewer kernels (graph replay is bound by kernel count, not bytes):
+``F.rms_norm``, a per-position rope table and one ``addcmul`` rotation, decode attention with GQA as
+``[B, kv_heads, groups, D]`` queries and an additive bias. The CPU path keeps the reference's exact
+float32 formulas.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,11 +34,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # statistics in float32 whatever the weight dtype, as the reference does
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if x.dtype != torch.float32:
+            # one fused kernel; statistics in float32 as the reference, rounded once instead of twice
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # float32: the reference formula, bit for bit (parity is proven in float32)
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 class Rope(nn.Module):
@@ -51,6 +62,7 @@ class Rope(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.register_buffer("axis_of_freq", axis.to(device), persistent=False)
         self.num_axes = 1 if cfg.mrope_section is None else len(cfg.mrope_section)
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: ``[B, L]`` (same on every axis) or ``[axes, B, L]``; returns cos, sin ``[B, L, head_dim]``."""
@@ -62,6 +74,18 @@ class Rope(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin and sign-folded sin (``-sin`` on the first half) ``[length, head_dim]`` of positions
+        ``0..length-1``: the same values ``forward`` computes, looked up instead of recomputed per step.
+        Built on first use; graph capture warms up first, so the table exists before any capture."""
+        key = (length, dtype, self.inv_freq.device, self.inv_freq._version)
+        if key not in self._tables:
+            pos = torch.arange(length, device=self.inv_freq.device)[None]
+            cos, sin = (t[0] for t in self.forward(pos, dtype))
+            half = sin.shape[-1] // 2
+            self._tables = {key: (cos, sin, torch.cat((-sin[:, :half], sin[:, half:]), -1))}
+        return self._tables[key]
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -72,6 +96,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x ``[B, heads, L, D]``; cos/sin ``[B, L, D]``."""
     cos, sin = cos[:, None], sin[:, None]
     return x * cos + _rotate_half(x) * sin
+
+
+@dataclass
+class StackStep:
+    """What every layer of one stack call shares, built once per call (not once per layer)."""
+
+    cos: torch.Tensor  # broadcastable to [B, L, heads, D]
+    sin: torch.Tensor  # plain sin (reference path) or sign-folded sin (fast path)
+    kv_len: int
+    fast: bool  # CUDA: fewer kernels, same math up to rounding
+    start: int | None  # shared positions start..start+L-1: no mask, slice writes
+    index: tuple[torch.Tensor, ...] | None  # per-row cache write index (rows, heads, positions)
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None  # bool [B, 1, L, kv_len] (True = may attend), or additive [B, 1, 1, kv_len]
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[B, L, heads, D]``."""
+        if self.fast:
+            half = x.shape[-1] // 2
+            return torch.addcmul(x * self.cos, torch.cat((x[..., half:], x[..., :half]), -1), self.sin)
+        return x * self.cos + _rotate_half(x) * self.sin
 
 
 class Attention(nn.Module):
@@ -88,29 +133,35 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slots: torch.Tensor | None, write_pos: torch.Tensor, mask: torch.Tensor,
-                kv_len: int) -> torch.Tensor:
-        """x ``[B, L, H]``; ``write_pos`` ``[B, L]`` cache positions of x's tokens; ``mask`` ``[B, 1, L, kv_len]``
-        (True = may attend). Reads keys ``[0, kv_len)`` of each row's slot after writing its own.
-        ``slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of gathering (a copy)."""
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
+        """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
+        row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
+        gathering (a copy)."""
         b, n, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = s.rope(self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)))
+        k = s.rope(self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim))).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        heads = torch.arange(self.num_kv_heads, device=x.device)
-        rows = torch.arange(b, device=x.device) if slots is None else slots
-        index = (rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
-        if slots is None:
-            keys, values = k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len]
+        if s.start is not None:
+            k_cache[:b, :, s.start:s.start + n] = k
+            v_cache[:b, :, s.start:s.start + n] = v
         else:
-            keys, values = k_cache[slots, :, :kv_len], v_cache[slots, :, :kv_len]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+            k_cache.index_put_(s.index, k)
+            v_cache.index_put_(s.index, v)
+        if s.slots is None:
+            keys, values = k_cache[:b, :, :s.kv_len], v_cache[:b, :, :s.kv_len]
+        else:
+            keys, values = k_cache[s.slots, :, :s.kv_len], v_cache[s.slots, :, :s.kv_len]
+        gqa = self.num_heads != self.num_kv_heads
+        if s.start is not None:  # every key in [0, kv_len) is valid for every row; causal within x's tokens
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=n > 1, enable_gqa=gqa)
+        elif s.fast and n == 1:
+            # one query per row: the query heads of one kv head form the "query length" of that kv head,
+            # so no key/value repeat and one additive bias row per batch row
+            qg = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=s.mask)
+            return self.o_proj(out.reshape(b, 1, -1))
+        else:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=s.mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -136,10 +187,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slots: torch.Tensor | None, write_pos: torch.Tensor, mask: torch.Tensor,
-                kv_len: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, slots, write_pos, mask, kv_len)
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, s)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -153,16 +202,47 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, device, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.rope = Rope(cfg, device)
+        self.num_kv_heads = cfg.num_kv_heads
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor | None, kv_len: int) -> torch.Tensor:
-        """x ``[B, L, H]``, positions ``[B, L]`` absolute (also the cache positions written); ``slots=None``
-        means row i uses slot i (see ``Attention``)."""
-        rope = self.rope(positions, x.dtype)
+        """x ``[B, L, H]``; positions ``[B, L]`` absolute (also the cache positions written), or an int: every
+        row at positions ``positions..positions+L-1`` with all keys below ``kv_len = positions + L`` valid.
+        ``slots=None`` means row i uses slot i (see ``Attention``)."""
+        step = self._step(x, positions, k_cache, slots, kv_len)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, k_cache[i], v_cache[i], step)
+        return self.norm(x)
+
+    def _step(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor,
+              slots: torch.Tensor | None, kv_len: int) -> StackStep:
+        b, n, dev = x.shape[0], x.shape[1], x.device
+        fast = x.is_cuda
+        if isinstance(positions, int):
+            if kv_len != positions + n or (n > 1 and positions != 0) or slots is not None:
+                raise ValueError("shared positions need kv_len = start + L, start 0 when L > 1, and slots=None")
+            cos, sin, sin_folded = self.rope.table(k_cache.shape[3], x.dtype)
+            window = slice(positions, positions + n)
+            return StackStep(cos[window, None], (sin_folded if fast else sin)[window, None], kv_len, fast,
+                             positions, None, None, None)
+        if positions.dim() == 2 and positions.shape[1] == 1 and fast:
+            cos, _, sin_folded = self.rope.table(k_cache.shape[3], x.dtype)
+            # positions >= the table (none in practice) would read out of bounds: clamp like the writes
+            at = positions.clamp(max=k_cache.shape[3] - 1)
+            cos, sin = cos[at][:, :, None], sin_folded[at][:, :, None]
+        else:
+            cos, sin = self.rope(positions, x.dtype)
+            if fast:
+                half = sin.shape[-1] // 2
+                sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+            cos, sin = cos[:, :, None], sin[:, :, None]
         # the caller marks padding tokens with a position >= max_len; they land on the scratch position
         write_pos = positions.clamp(max=k_cache.shape[3] - 1)
-        keys = torch.arange(kv_len, device=x.device)
-        mask = (keys[None, None, None, :] <= positions[:, None, :, None])
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, k_cache[i], v_cache[i], slots, write_pos, mask, kv_len)
-        return self.norm(x)
+        heads = torch.arange(self.num_kv_heads, device=dev)
+        rows = torch.arange(b, device=dev) if slots is None else slots
+        index = (rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
+        keys = torch.arange(kv_len, device=dev)
+        mask = keys[None, None, None, :] <= positions[:, None, :, None]
+        if fast and n == 1:
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+        return StackStep(cos, sin, kv_len, fast, None, index, slots, mask)

@@ -236,9 +236,9 @@ class SpeechDecoder(nn.Module):
         pos, caches, tails = state[0], state[1:1 + num_layers], iter(state[1 + num_layers:])
         new_tails: list[Tensor] = []
 
-        def run(layer: nn.Module, x: Tensor, rate_lens: Tensor) -> Tensor:
+        def run(layer: nn.Module, x: Tensor, rate_lens: Tensor, act: nn.Module | None = None) -> Tensor:
             tail = next(tails) if layer_has_tail(layer) else None
-            y, t = layer(x, tail, rate_lens)
+            y, t = layer(x, tail, rate_lens) if act is None else layer(x, tail, rate_lens, act=act)
             if t is not None:
                 new_tails.append(t)
             return y
@@ -254,11 +254,11 @@ class SpeechDecoder(nn.Module):
             x = run(convnext, x, cur)
         x = run(self.decoder[0], x, cur)
         for blk in self.decoder[1:-2]:
-            x = run(blk.block[1], blk.block[0](x), cur)
+            x = run(blk.block[1], x, cur, act=blk.block[0])
             cur = cur * blk.block[1].stride
             for unit in blk.block[2:]:
                 x = run(unit, x, cur)
-        x = run(self.decoder[-1], self.decoder[-2](x), cur)
+        x = run(self.decoder[-1], x, cur, act=self.decoder[-2])
         return x.clamp(-1.0, 1.0)[:, 0], [pos + lens, *new_caches, *new_tails]
 
     @torch.inference_mode()

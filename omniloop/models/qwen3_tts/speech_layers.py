@@ -12,11 +12,41 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+try:  # the fused SnakeBeta kernel on CUDA; elsewhere (and without Triton) the plain torch ops
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _snake_kernel(x_ptr, out_ptr, alpha_ptr, inv_beta_ptr, num_ch, length, sxb, sxc, sob, soc,
+                      BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        b, c = (row // num_ch).to(tl.int64), (row % num_ch).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < length
+        x = tl.load(x_ptr + b * sxb + c * sxc + offs, mask=mask).to(tl.float32)
+        s = tl.sin(x * tl.load(alpha_ptr + c))
+        y = x + tl.load(inv_beta_ptr + c) * s * s
+        tl.store(out_ptr + b * sob + c * soc + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 def gather_tail(full: Tensor, lens: Tensor, size: int) -> Tensor:
     """``full[b, :, lens[b] : lens[b] + size]`` for every row (``full`` = old tail + chunk)."""
     idx = lens[:, None] + torch.arange(size, device=full.device)
     return full.gather(-1, idx[:, None, :].expand(-1, full.shape[1], -1))
+
+
+def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None) -> Tensor:
+    """``cat([tail, act(x)], -1)``, with the activation written straight into the result."""
+    if act is None:
+        return torch.cat([tail, x], dim=-1)
+    p = tail.shape[-1]
+    full = x.new_empty((*x.shape[:-1], p + x.shape[-1]))
+    full[..., :p] = tail
+    act(x, out=full[..., p:])
+    return full
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -64,10 +94,24 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(dim))
         self.beta = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """``out``: where to write (e.g. the chunk part of a conv's ``[tail, chunk]`` buffer)."""
+        if triton is not None and x.is_cuda and x.stride(-1) == 1:
+            return self._fused(x, x.new_empty(x.shape) if out is None else out)
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
-        return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
+        y = x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
+        return y if out is None else out.copy_(y)
+
+    def _fused(self, x: Tensor, out: Tensor) -> Tensor:
+        """One pass over ``x`` instead of five, with float32 math inside (the result is stored in x's dtype)."""
+        alpha = self.alpha.float().exp()
+        inv_beta = 1.0 / (self.beta.float().exp() + 1e-9)
+        b, c, n = x.shape
+        block = min(1024, max(16, triton.next_power_of_2(n)))
+        _snake_kernel[(b * c, triton.cdiv(n, block))](x, out, alpha, inv_beta, c, n, x.stride(0), x.stride(1),
+                                                      out.stride(0), out.stride(1), BLOCK=block)
+        return out
 
 
 class CausalConv(nn.Module):
@@ -81,10 +125,12 @@ class CausalConv(nn.Module):
     def tail_shape(self) -> tuple[int, ...]:
         return (self.conv.in_channels, self.context)
 
-    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor,
+                act: SnakeBeta | None = None) -> tuple[Tensor, Tensor | None]:
+        """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``)."""
         if self.context == 0:
-            return self.conv(x), None
-        full = torch.cat([tail, x], dim=-1)
+            return self.conv(x if act is None else act(x)), None
+        full = with_tail(tail, x, act)
         return self.conv(full), gather_tail(full, lens, self.context)
 
 
@@ -107,11 +153,12 @@ class CausalTransConv(nn.Module):
     def tail_shape(self) -> tuple[int, ...]:
         return (self.conv.in_channels, self.context)
 
-    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor,
+                act: SnakeBeta | None = None) -> tuple[Tensor, Tensor | None]:
         if self.context == 0:
-            return self.conv(x), None
+            return self.conv(x if act is None else act(x)), None
         s, num = self.stride, x.shape[-1]
-        full = torch.cat([tail, x], dim=-1)
+        full = with_tail(tail, x, act)
         y = self.conv(full)
         # y[:, :, :s] belongs to the tail frame (already emitted); the last s are the right trim.
         return y[..., s:(num + 1) * s], gather_tail(full, lens, 1)
@@ -141,6 +188,6 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: Tensor, tail: Tensor, lens: Tensor) -> tuple[Tensor, Tensor | None]:
-        h, tail = self.conv1(self.act1(x), tail, lens)
-        h, _ = self.conv2(self.act2(h), None, lens)
+        h, tail = self.conv1(x, tail, lens, act=self.act1)
+        h, _ = self.conv2(h, None, lens, act=self.act2)
         return x + h, tail

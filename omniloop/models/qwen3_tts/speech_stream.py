@@ -1,10 +1,17 @@
 """Stateful, batched streaming of the codec decoder.
 
-Each open stream owns one *slot* in a pool: the state tensors of ``SpeechDecoder.state_specs`` with a
-leading slot axis (positions, the sliding-window KV cache, every causal-conv tail). A batched ``decode``
-gathers the slots of the requests in the call, runs one ``SpeechDecoder.step`` over chunks of different
-lengths (right-padded), and scatters the new state back. Each code frame is therefore decoded exactly
-once, and the concatenated chunks of a stream equal the one-shot decode of its codes.
+Each open stream owns one *slot* in a pool: the state of ``SpeechDecoder.state_specs`` with a leading slot
+axis, packed into three tensors (positions, every layer's sliding-window KV stacked, every causal-conv tail
+flattened side by side), so one step gathers and scatters a batch's state in three ops each. A batched
+``decode`` gathers the slots of the requests in the call, runs one ``SpeechDecoder.step`` over chunks of
+different lengths (right-padded), and scatters the new state back. Each code frame is therefore decoded
+exactly once, and the concatenated chunks of a stream equal the one-shot decode of its codes.
+
+On CUDA the whole step (gather, decode, scatter) is captured as one CUDA graph per (batch bucket, frame
+bucket): rows are padded to the bucket with ``lens == 0`` rows that read and write slot 0, a scratch slot
+no stream owns, and frames past a row's ``lens`` are padding whose samples are never returned. The
+convs' cuDNN algorithms are chosen in each graph's warm-up: with ``torch.backends.cudnn.benchmark`` on
+(the codec stage sets it), that is a timed choice, once per shape.
 
 The decoder is fully causal, so there is no lookahead: a chunk of n frames yields exactly n * 1920
 final samples, nothing is held back.
@@ -12,19 +19,68 @@ final samples, nothing is held back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from omniloop.gpu.cuda_graphs import batch_buckets, pick
 from omniloop.models.qwen3_tts.speech_decoder import SpeechDecoder
+
+FRAME_BUCKETS = (1, 2, 4, 8, 16, 25, 32)  # the codec scheduler's chunks: 1-2 first, doubling to 25
+SCRATCH = 0  # pool row of padded batch rows; never a stream's slot
+
+
+class _Pool:
+    """The packed state of ``rows`` slots: ``pos [rows]``, ``kv [rows, 2 * layers, heads, w, d]``,
+    ``tails [rows, sum of tail sizes]``."""
+
+    def __init__(self, decoder: SpeechDecoder, rows: int) -> None:
+        specs = decoder.state_specs()
+        self.num_kv = 2 * decoder.cfg.num_hidden_layers
+        self.tail_shapes = [shape for shape, _ in specs[1 + self.num_kv:]]
+        p = decoder.pre_conv.conv.weight
+        self.pos = torch.zeros(rows, dtype=torch.int64, device=p.device)
+        self.kv = torch.zeros((rows, self.num_kv, *specs[1][0]), dtype=p.dtype, device=p.device)
+        self.tails = torch.zeros((rows, sum(math.prod(s) for s in self.tail_shapes)), dtype=p.dtype,
+                                 device=p.device)
+
+    @property
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.pos, self.kv, self.tails
+
+    def gather(self, idx: Tensor) -> list[Tensor]:
+        """The ``SpeechDecoder.step`` state of rows ``idx`` (views into three gathered tensors)."""
+        pos, kv, flat = (t.index_select(0, idx) for t in self.tensors)
+        tails, off = [], 0
+        for shape in self.tail_shapes:
+            n = math.prod(shape)
+            tails.append(flat.narrow(1, off, n).view(-1, *shape))
+            off += n
+        return [pos, *kv.unbind(1), *tails]
+
+    def scatter(self, idx: Tensor, state: list[Tensor]) -> None:
+        kv = torch.stack(state[1:1 + self.num_kv], dim=1)
+        flat = torch.cat([t.flatten(1) for t in state[1 + self.num_kv:]], dim=1)
+        for pool_t, new_t in zip(self.tensors, (state[0], kv, flat)):
+            pool_t.index_copy_(0, idx, new_t)
+
+    def grown(self, decoder: SpeechDecoder, rows: int) -> _Pool:
+        new = _Pool(decoder, rows)
+        for dst, src in zip(new.tensors, self.tensors):
+            dst[:src.shape[0]] = src
+        return new
 
 
 class CodecStreams:
-    """Slot pool of per-request decoder state. Owned by one thread (the codec stage's runner)."""
+    """Slot pool of per-request decoder state. Owned by one thread (the codec stage's runner).
 
-    def __init__(self, decoder: SpeechDecoder, max_streams: int = 256, initial_slots: int = 8) -> None:
+    ``graphs``: replay CUDA graphs of the step (default: on when the decoder is on CUDA)."""
+
+    def __init__(self, decoder: SpeechDecoder, max_streams: int = 256, initial_slots: int = 8,
+                 graphs: bool | None = None) -> None:
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self.decoder = decoder
@@ -32,19 +88,26 @@ class CodecStreams:
         self.slot_of: dict[str, int] = {}
         self.num_frames_decoded = 0
         self.num_calls = 0
-        self._pool = decoder.init_state(min(initial_slots, max_streams))
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._pool = _Pool(decoder, 1 + min(initial_slots, max_streams))
+        self._free = list(range(self.capacity, SCRATCH, -1))
+        self.device = self._pool.pos.device
+        use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        self._graphs = _StepGraphs(self, batch_buckets(max_streams)) if use_graphs else None
 
     @property
     def capacity(self) -> int:
-        return self._pool[0].shape[0]
+        return self._pool.pos.shape[0] - 1
 
     @property
     def num_active(self) -> int:
         return len(self.slot_of)
 
+    @property
+    def num_graphs(self) -> int:
+        return 0 if self._graphs is None else len(self._graphs.graphs)
+
     def state_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._pool)
+        return sum(t.numel() * t.element_size() for t in self._pool.tensors)
 
     def open(self, req_id: str) -> None:
         """Start a stream at frame 0. Opening an id that is already open is an error."""
@@ -53,7 +116,7 @@ class CodecStreams:
         if not self._free:
             self._grow()
         slot = self._free.pop()
-        for t in self._pool:
+        for t in self._pool.tensors:
             t[slot].zero_()
         self.slot_of[req_id] = slot
 
@@ -64,41 +127,77 @@ class CodecStreams:
             self._free.append(slot)
 
     def frames_done(self, req_id: str) -> int:
-        return int(self._pool[0][self._slot(req_id)])
+        return int(self._pool.pos[self._slot(req_id)])
 
     @torch.inference_mode()
     def decode(self, chunks: Sequence[tuple[str, np.ndarray | Tensor]]) -> list[Tensor]:
         """Decode one chunk of codes ``[n, 16]`` for each open stream in ``chunks``, in one batched step.
 
-        Returns float PCM tensors (``[n * 1920]``, on the decoder's device) in the order of ``chunks``.
-        A request may appear at most once per call; ``n`` may be 0."""
+        Returns float PCM tensors (``[n * 1920]``, on the decoder's device; on CUDA valid until the next
+        call) in the order of ``chunks``. A request may appear at most once per call; ``n`` may be 0."""
         if not chunks:
             return []
-        dec = self.decoder
-        num_q = dec.cfg.num_quantizers
-        device = self._pool[0].device
-        slots, lens, tensors = [], [], []
-        for req_id, codes in chunks:
-            slots.append(self._slot(req_id))
-            tensors.append(self._check_codes(req_id, codes, num_q, dec.cfg.codebook_size))
-            lens.append(tensors[-1].shape[0])
-        if len(set(slots)) != len(slots):
-            raise ValueError("a codec stream appears more than once in one decode call")
-        longest = max(lens)
-        batch = torch.zeros((len(chunks), max(longest, 1), num_q), dtype=torch.int64)
-        for row, t in enumerate(tensors):
-            batch[row, :t.shape[0]] = t
-        slot_idx = torch.tensor(slots, device=device)
-        lens_t = torch.tensor(lens, device=device)
-        state = [t.index_select(0, slot_idx) for t in self._pool]
-        pcm, new_state = dec.step(batch.to(device), lens_t, state)
-        for pool_t, new_t in zip(self._pool, new_state):
-            pool_t.index_copy_(0, slot_idx, new_t)
+        lens = [int(np.shape(codes)[0]) if np.ndim(codes) else 0 for _, codes in chunks]
+        pcm = self._step(chunks, lens)
+        spf = self.decoder.samples_per_frame
+        return [pcm[row, :n * spf] for row, n in enumerate(lens)]
+
+    @torch.inference_mode()
+    def decode_host(self, chunks: Sequence[tuple[str, np.ndarray | Tensor]]) -> list[np.ndarray]:
+        """``decode`` with the PCM on the host: one copy of the whole batch into pinned memory and one wait,
+        then a numpy view per row (float32, or float64 for a float64 decoder)."""
+        if not chunks:
+            return []
+        lens = [int(np.shape(codes)[0]) if np.ndim(codes) else 0 for _, codes in chunks]
+        pcm = self._step(chunks, lens)[:len(chunks)]
+        if pcm.device.type != "cpu":
+            host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+            host.copy_(pcm, non_blocking=True)
+            torch.cuda.current_stream(pcm.device).synchronize()
+            pcm = host
+        spf = self.decoder.samples_per_frame
+        arr = pcm.numpy()
+        return [arr[row, :n * spf] for row, n in enumerate(lens)]
+
+    def _step(self, chunks: Sequence[tuple[str, np.ndarray | Tensor]], lens: list[int]) -> Tensor:
+        """Run one batched step; returns PCM ``[>= len(chunks), >= max(lens) * 1920]`` on the device."""
+        cfg = self.decoder.cfg
+        longest = max(max(lens), 1)
+        graphs = self._graphs
+        bucket = graphs.bucket(len(chunks), longest) if graphs is not None else None
+        rows, frames = bucket or (len(chunks), longest)
+        # codes, lens and slots travel in one int64 buffer: one host-to-device copy per step
+        buf = np.zeros(rows * frames * cfg.num_quantizers + 2 * rows, dtype=np.int64)
+        codes = buf[:rows * frames * cfg.num_quantizers].reshape(rows, frames, cfg.num_quantizers)
+        meta = buf[rows * frames * cfg.num_quantizers:].reshape(2, rows)
+        seen = set()
+        for row, ((req_id, chunk), n) in enumerate(zip(chunks, lens)):
+            slot = self._slot(req_id)
+            if slot in seen:
+                raise ValueError("a codec stream appears more than once in one decode call")
+            seen.add(slot)
+            codes[row, :n] = self._check_codes(req_id, chunk, cfg.num_quantizers, cfg.codebook_size)
+            meta[:, row] = n, slot
+        host = torch.from_numpy(buf)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
         self.num_frames_decoded += sum(lens)
         self.num_calls += 1
-        spf = dec.samples_per_frame
-        pcm = pcm if pcm.dtype == torch.float64 else pcm.float()  # float32 out unless testing in f64
-        return [pcm[row, :n * spf] for row, n in enumerate(lens)]
+        if graphs is not None:
+            return graphs.replay(bucket, host)
+        dev = host.to(self.device, non_blocking=True)
+        return self._run(*self._split(dev, rows, frames))
+
+    def _split(self, buf: Tensor, rows: int, frames: int) -> tuple[Tensor, Tensor, Tensor]:
+        n = rows * frames * self.decoder.cfg.num_quantizers
+        codes = buf[:n].view(rows, frames, -1)
+        return codes, buf[n:n + rows], buf[n + rows:]
+
+    def _run(self, codes: Tensor, lens: Tensor, slots: Tensor) -> Tensor:
+        """Gather, decode, scatter: the body of a step (captured as is in a graph)."""
+        pcm, state = self.decoder.step(codes, lens, self._pool.gather(slots))
+        self._pool.scatter(slots, state)
+        return pcm if pcm.dtype == torch.float64 else pcm.float()  # float32 out unless testing in f64
 
     def _slot(self, req_id: str) -> int:
         try:
@@ -107,16 +206,15 @@ class CodecStreams:
             raise KeyError(f"codec stream {req_id!r} is not open (finished, aborted or never opened)") from None
 
     @staticmethod
-    def _check_codes(req_id: str, codes: np.ndarray | Tensor, num_q: int, size: int) -> Tensor:
-        t = torch.as_tensor(codes)
-        if t.ndim != 2 or t.shape[1] != num_q:
-            raise ValueError(f"codes for {req_id!r} must be [n, {num_q}], got {list(t.shape)}")
-        if t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"codes for {req_id!r} must be integers, got {t.dtype}")
-        t = t.to(torch.int64)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= size):
-            raise ValueError(f"codes for {req_id!r} must be in [0, {size}), got [{int(t.min())}, {int(t.max())}]")
-        return t.cpu()
+    def _check_codes(req_id: str, codes: np.ndarray | Tensor, num_q: int, size: int) -> np.ndarray:
+        a = codes.numpy(force=True) if isinstance(codes, Tensor) else np.asarray(codes)
+        if a.ndim != 2 or a.shape[1] != num_q:
+            raise ValueError(f"codes for {req_id!r} must be [n, {num_q}], got {list(a.shape)}")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"codes for {req_id!r} must be integers, got {a.dtype}")
+        if a.size and (a.min() < 0 or a.max() >= size):
+            raise ValueError(f"codes for {req_id!r} must be in [0, {size}), got [{a.min()}, {a.max()}]")
+        return a
 
     def _grow(self) -> None:
         old = self.capacity
@@ -124,6 +222,59 @@ class CodecStreams:
             raise RuntimeError(f"codec stream capacity {self.max_streams} reached; close finished streams "
                                "or raise max_streams")
         new = min(2 * old, self.max_streams)
-        extra = self.decoder.init_state(new - old)
-        self._pool = [torch.cat([t, e]) for t, e in zip(self._pool, extra)]
-        self._free = list(range(new - 1, old - 1, -1)) + self._free
+        self._pool = self._pool.grown(self.decoder, 1 + new)
+        self._free = list(range(new, old, -1)) + self._free
+        if self._graphs is not None:
+            self._graphs.clear()  # captured against the old pool's addresses
+
+
+class _StepGraphs:
+    """``CodecStreams._run`` captured per (rows, frames) bucket, lazily on first use (longer chunks: eager,
+    padded). All graphs share
+    one memory pool; replays are serialized on the owner thread's stream, and a replay's PCM is read
+    (copied out) before the next replay, so sharing is safe."""
+
+    def __init__(self, streams: CodecStreams, batch: tuple[int, ...]) -> None:
+        self.streams, self.batch = streams, batch
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def bucket(self, num_rows: int, frames: int) -> tuple[int, int]:
+        """The padded shape of a step. Chunks longer than the largest frame bucket (a clone's reference
+        frames) run eagerly, rounded up to a multiple of it: few distinct shapes, so each conv's cuDNN
+        algorithm is chosen once per shape, not once per request."""
+        top = FRAME_BUCKETS[-1]
+        frames = pick(FRAME_BUCKETS, frames) if frames <= top else -(-frames // top) * top
+        return pick(self.batch, num_rows), frames
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def replay(self, bucket: tuple[int, int], host: Tensor) -> Tensor:
+        """Copy the step's inputs in, replay; the PCM is valid until the next step."""
+        s = self.streams
+        if bucket[1] > FRAME_BUCKETS[-1]:
+            return s._run(*s._split(host.to(s.device, non_blocking=True), *bucket))
+        if bucket not in self.graphs:
+            self.graphs[bucket] = self._capture(*bucket)
+        graph, inp, out = self.graphs[bucket]
+        inp.copy_(host, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _capture(self, rows: int, frames: int) -> tuple[torch.cuda.CUDAGraph, Tensor, Tensor]:
+        s = self.streams
+        # all rows on the scratch slot with lens 0: warm-up and capture leave every stream's state as it is
+        inp = torch.zeros(rows * frames * s.decoder.cfg.num_quantizers + 2 * rows, dtype=torch.int64,
+                          device=s.device)
+        args = s._split(inp, rows, frames)
+        stream = torch.cuda.Stream(s.device)
+        stream.wait_stream(torch.cuda.current_stream(s.device))
+        with torch.cuda.stream(stream):
+            s._run(*args)  # warm-up: library init and algorithm choice must not happen inside a capture
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the process (another stage's runner) may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            out = s._run(*args)
+        torch.cuda.current_stream(s.device).wait_stream(stream)
+        return graph, inp, out

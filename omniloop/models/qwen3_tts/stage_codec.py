@@ -4,8 +4,8 @@ Each step decodes the planned frames of many requests in one batched call; every
 decoder state (sliding-window cache, causal-conv tails) in a ``CodecStreams`` slot, so each frame is
 decoded exactly once and the stream equals the one-shot decode.
 
-The step runs on the runner's worker thread (``CpuRunner``): on a GPU, the thread launches the kernels
-and waits for the PCM copy, so the event loop never does. A request's stream is opened at its first
+The step runs on the runner's worker thread (``CpuRunner``): on a GPU, the thread replays the step's
+CUDA graph and waits for the one PCM copy, so the event loop never does. A request's stream is opened at its first
 chunk and closed at its last; a request aborted mid-stream is closed when its scheduler slot is reused
 (the scheduler frees slots at once on abort, and a slot's next request always starts with ``is_first``).
 """
@@ -43,9 +43,11 @@ class CodecRunner(CpuRunner):
                     self.streams.close(stale)
                 self.streams.open(seq.req_id)
                 self._owner[seq.slot] = seq.req_id
-        pcm = self.streams.decode([(seq.req_id, seq.codes) for seq in plan.seqs])
+        # one device-to-host copy of the whole step into pinned memory, one wait
+        pcm = self.streams.decode_host([(seq.req_id, seq.codes) for seq in plan.seqs])
         # context rows (a clone's reference frames) prime the state; their samples are not the request's
-        out = [p[seq.num_context * SAMPLES_PER_FRAME:].float().cpu().numpy() for p, seq in zip(pcm, plan.seqs)]
+        out = [np.asarray(p[seq.num_context * SAMPLES_PER_FRAME:], dtype=np.float32)
+               for p, seq in zip(pcm, plan.seqs)]
         for seq in plan.seqs:
             if seq.is_last:
                 self.streams.close(seq.req_id)
@@ -67,6 +69,11 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     if opts:
         raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.codec")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
+    if torch.device(stage.device).type == "cuda":
+        # cuDNN's heuristic picks a ~30 TFLOP/s fallback for one of the decoder's dilated convs (5.9 of
+        # 27 ms of a 64 x 8-frame step on an H200, benchmarks/codec-steps.md); timed choice avoids it.
+        # Step shapes are bucketed (speech_stream), so each shape is timed once, in a graph's warm-up.
+        torch.backends.cudnn.benchmark = True
     tokenizer = SpeechTokenizer.load(ckpt.path, device=stage.device, dtype=dtype, load_format=ckpt.load_format,
                                      with_encoder=False, seed=profile.seed)
     streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,

@@ -31,7 +31,7 @@ from torch import nn
 from omniloop.models.qwen3_tts.code_predictor import CodePredictor
 from omniloop.models.qwen3_tts.config import TtsConfig
 from omniloop.models.qwen3_tts.layers import DecoderStack
-from omniloop.models.qwen3_tts.sampling import SamplingParams, sample_code0
+from omniloop.models.qwen3_tts.sampling import SamplingParams, frame_noise, sample_code0
 
 
 class TextProjection(nn.Module):
@@ -172,10 +172,16 @@ class Qwen3TtsModel(nn.Module):
         cache = self._require_cache()
         logits = self.talker.codec_head(hidden)
         seen = cache.seen[slots]
-        code0 = sample_code0(logits, params, seen, step, self.cfg.talker.codec_eos_id)
+        noise0, noise_sub = self.frame_noise(params, step)
+        code0 = sample_code0(logits, params, seen, step, self.cfg.talker.codec_eos_id, noise0)
         cache.seen[slots, code0] = True
-        rest = self.code_predictor.predict(hidden, self.codec_embed(code0), params, step)
+        rest = self.code_predictor.predict(hidden, self.codec_embed(code0), params, step, noise_sub)
         return torch.cat((code0[:, None], rest), dim=1)
+
+    def frame_noise(self, params: SamplingParams, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One frame's Gumbel noise, all 16 codebooks drawn at once (see ``sampling.frame_noise``)."""
+        return frame_noise(params.seed, step, self.cfg.talker.decoder.vocab_size, self.cfg.talker.num_code_groups,
+                           self.code_predictor.cfg.vocab_size)
 
     def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:
         """codes ``[..., 16]`` -> sum of the 16 code embeddings ``[..., H]`` (talker dim)."""

@@ -1,0 +1,1 @@
+"""Triton kernels for the CUDA decode path; imported only when a tensor is on CUDA."""

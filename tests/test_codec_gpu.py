@@ -1,0 +1,102 @@
+"""The codec stage on CUDA: graph replay of the streaming step (rows padded to a batch bucket, chunks to a
+frame bucket) returns the same PCM as the eager step and as the one-shot decode, and leaves the same state;
+the fused SnakeBeta kernel equals the plain torch ops.
+
+float32 with TF32 off, so the only differences are kernel-choice rounding; bf16 is held to its own noise floor.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+
+from omniloop.models.qwen3_tts.speech_decoder import SpeechDecoder
+from omniloop.models.qwen3_tts.speech_layers import SnakeBeta
+from omniloop.models.qwen3_tts.speech_stream import CodecStreams
+from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
+from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
+
+pytestmark = pytest.mark.gpu
+SPF = 1920
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@cache
+def _decoder(dtype: torch.dtype) -> SpeechDecoder:
+    return SpeechTokenizer.load(ensure_tiny_checkpoint("custom_voice"), device="cuda", dtype=dtype,
+                                load_format="dummy", with_encoder=False, seed=3).decoder
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _stream_all(streams: CodecStreams, codes: dict[str, np.ndarray], sizes: dict[str, list[int]]) -> dict:
+    """Interleave the requests: each step decodes the next chunk of every request not yet done."""
+    out = {r: [] for r in codes}
+    pos = dict.fromkeys(codes, 0)
+    step = 0
+    for r in codes:
+        streams.open(r)
+    while any(pos[r] < len(c) for r, c in codes.items()):
+        batch = []
+        for r, c in codes.items():
+            if pos[r] < len(c):
+                n = sizes[r][step % len(sizes[r])]
+                batch.append((r, c[pos[r]:pos[r] + n]))
+                pos[r] += n
+        for (r, _), pcm in zip(batch, streams.decode_host(batch)):
+            out[r].append(pcm.copy())
+        step += 1
+    return {r: np.concatenate(p) for r, p in out.items()}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_graph_stream_equals_eager_and_one_shot(dtype: torch.dtype, tol: float) -> None:
+    dec = _decoder(dtype)
+    rng = np.random.default_rng(0)
+    codes = {f"r{i}": rng.integers(0, 2048, (n, 16), dtype=np.int64) for i, n in enumerate((80, 37, 9))}
+    sizes = {"r0": [1, 2, 4, 8, 25, 3], "r1": [2, 35], "r2": [1, 0, 7]}  # odd sizes pad to frame buckets; 35 > 32 runs eager
+    graphs = CodecStreams(dec, max_streams=8, initial_slots=2, graphs=True)  # grows: graphs recaptured
+    eager = CodecStreams(dec, max_streams=8, initial_slots=2, graphs=False)
+    got, want = _stream_all(graphs, codes, sizes), _stream_all(eager, codes, sizes)
+    assert graphs.num_graphs > 0 and eager.num_graphs == 0
+    for r, c in codes.items():
+        one_shot = dec.decode(torch.from_numpy(c)[None])[0].cpu().numpy()
+        assert got[r].shape == want[r].shape == one_shot.shape == (len(c) * SPF,)
+        assert _rel(got[r], want[r]) < tol and _rel(got[r], one_shot) < tol
+    for r, c in codes.items():
+        assert graphs.frames_done(r) == eager.frames_done(r) == len(c)
+    assert graphs.num_frames_decoded == eager.num_frames_decoded == sum(len(c) for c in codes.values())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_snake_equals_torch_ops(dtype: torch.dtype, tol: float) -> None:
+    torch.manual_seed(0)
+    act = SnakeBeta(96).cuda()
+    with torch.no_grad():
+        act.alpha.normal_(0, 0.3)
+        act.beta.normal_(0, 0.3)
+    act = act.to(dtype)
+    x = torch.randn(3, 96, 1000, device="cuda", dtype=dtype) * 2
+    buf = torch.zeros(3, 96, 1005, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        fused = act(x)
+        act(x[..., 1:], out=buf[..., 6:])  # strided input, written into a tail buffer
+        alpha = act.alpha.float().exp()[None, :, None]
+        beta = act.beta.float().exp()[None, :, None]
+        xf = x.float()
+        want = xf + (1.0 / (beta + 1e-9)) * torch.sin(xf * alpha).pow(2)
+    assert (fused.float() - want).abs().max() / want.abs().max() < tol
+    assert (buf[..., 6:].float() - want[..., 1:]).abs().max() / want.abs().max() < tol
+    assert buf[..., :6].abs().max() == 0
