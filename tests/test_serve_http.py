@@ -185,8 +185,8 @@ def test_chat_on_a_tts_only_model_says_so(server: ServerProc) -> None:
 
 
 async def test_chat_response_assembly_over_the_real_engine_with_the_fake_thinker() -> None:
-    # Drive the chat path's
-    # parsing and OpenAI response assembly directly over a real Engine running thinker -> talker -> codec.
+    # The chat path's parsing and OpenAI response assembly, driven directly over a real Engine running
+    # thinker -> talker -> codec (tests/test_serve_chat.py covers the same through a server).
     from omniloop.actors.engine import Engine
     from omniloop.profile import load_profile
     from omniloop.serve.chat_api import ChatAssembler, parse_chat
