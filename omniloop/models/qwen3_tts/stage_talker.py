@@ -91,7 +91,8 @@ class TalkerAdmission:
                 num_ref_frames = math.ceil(len(ref_pcm) / SAMPLES_PER_FRAME)
         num_prompt = prompt_length(self.cfg, base, num_ref_frames)
         room = self.max_model_len - num_prompt
-        if room < 2:
+        # the trailing text (added one position per frame) lives in a per-slot buffer of max_model_len rows
+        if room < 2 or base.input_ids.numel() >= self.max_model_len:
             raise RequestError(400, f"the prompt takes {num_prompt} positions; this talker holds at most "
                                     f"{self.max_model_len} per request (max_model_len)")
         max_frames = min(base.max_new_tokens - 1, room - 1)
@@ -120,7 +121,8 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     voice = (VoiceEncoder(ckpt.path, ckpt.load_format, stage.device, seed=profile.seed)
              if cfg.model_type == "base" else None)
     runner = TalkerRunner(model, device=stage.device, max_num_seqs=stage.max_num_seqs,
-                          max_len=max_model_len, use_cuda_graphs=use_graphs)
+                          max_len=max_model_len, use_cuda_graphs=use_graphs,
+                          gpu_memory_fraction=stage.gpu_memory_fraction, stage=stage.name)
     admission = TalkerAdmission(cfg, TextTokenizer.from_dir(ckpt.path), voice, max_model_len,
                                 profile.max_text_chars, max_ref_seconds)
     blocks_per_seq = math.ceil(max_model_len / BLOCK_SIZE)
