@@ -2,7 +2,7 @@
 frame bucket) returns the same PCM as the eager step and as the one-shot decode, and leaves the same state;
 the fused SnakeBeta kernel equals the plain torch ops.
 
-float32 with TF32 off, so the only differences are kernel-choice rounding; bf16 is held to its own noise floor.
+float32 with TF32 off, so the only differences are kernel-choice rounding.
 """
 
 from __future__ import annotations
@@ -61,12 +61,14 @@ def _stream_all(streams: CodecStreams, codes: dict[str, np.ndarray], sizes: dict
     return {r: np.concatenate(p) for r, p in out.items()}
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-3)])
 def test_graph_stream_equals_eager_and_one_shot(dtype: torch.dtype, tol: float) -> None:
+    """Graphs == eager in both dtypes; == the one-shot decode in float32 only: bf16 rounding differs with
+    the chunk shapes and compounds through this random decoder (~9% on the H200, saturated samples)."""
     dec = _decoder(dtype)
     rng = np.random.default_rng(0)
     codes = {f"r{i}": rng.integers(0, 2048, (n, 16), dtype=np.int64) for i, n in enumerate((80, 37, 9))}
-    sizes = {"r0": [1, 2, 4, 8, 25, 3], "r1": [2, 35], "r2": [1, 0, 7]}  # odd sizes pad to frame buckets; 35 > 32 runs eager
+    sizes = {"r0": [1, 2, 4, 8, 25, 3], "r1": [2, 35], "r2": [1, 0, 7]}  # pad to buckets; 35 > 32: eager
     graphs = CodecStreams(dec, max_streams=8, initial_slots=2, graphs=True)  # grows: graphs recaptured
     eager = CodecStreams(dec, max_streams=8, initial_slots=2, graphs=False)
     got, want = _stream_all(graphs, codes, sizes), _stream_all(eager, codes, sizes)
@@ -74,7 +76,9 @@ def test_graph_stream_equals_eager_and_one_shot(dtype: torch.dtype, tol: float) 
     for r, c in codes.items():
         one_shot = dec.decode(torch.from_numpy(c)[None])[0].cpu().numpy()
         assert got[r].shape == want[r].shape == one_shot.shape == (len(c) * SPF,)
-        assert _rel(got[r], want[r]) < tol and _rel(got[r], one_shot) < tol
+        assert _rel(got[r], want[r]) < tol
+        if dtype == torch.float32:
+            assert _rel(got[r], one_shot) < tol
     for r, c in codes.items():
         assert graphs.frames_done(r) == eager.frames_done(r) == len(c)
     assert graphs.num_frames_decoded == eager.num_frames_decoded == sum(len(c) for c in codes.values())
