@@ -53,3 +53,27 @@ def test_cuda_layer_path_matches_the_cpu_reference() -> None:
         torch.testing.assert_close(out["gpu"][i], out["cpu"][i], atol=2e-4, rtol=2e-4)
     same = (out["gpu"][2] == out["cpu"][2]).float().mean().item()
     assert same > 0.9, same  # greedy codes: float32 CPU vs CUDA may flip a rare near-tie
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_rope_matches_torch(dtype: torch.dtype) -> None:
+    from omniloop.gpu.kernels.qk_norm_rope import norm_rope
+
+    torch.manual_seed(0)
+    b, n, heads, d = 5, 3, 16, 128
+    x = torch.randn(b, n, heads, d, device="cuda", dtype=dtype)
+    w = torch.randn(d, device="cuda", dtype=dtype)
+    angle = torch.randn(b * n, d, device="cuda")
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    folded = torch.cat((-sin[:, : d // 2], sin[:, d // 2:]), -1)
+    x32 = x.float()
+    y = w.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+    rot = torch.cat((-y[..., d // 2:], y[..., : d // 2]), -1)
+    c, s_ = cos.float().view(b, n, 1, d), sin.float().view(b, n, 1, d)
+    want = y * c + rot * s_
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(norm_rope(x, w, 1e-6, cos, folded).float(), want, **tol)
+    # shared rows: R = L, every batch row uses the same positions
+    shared = norm_rope(x, w, 1e-6, cos[:n].contiguous(), folded[:n].contiguous()).float()
+    want_shared = y * c[:1] + rot * s_[:1]
+    torch.testing.assert_close(shared, want_shared, **tol)

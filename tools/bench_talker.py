@@ -21,6 +21,7 @@ import torch
 from omniloop.gpu.cuda_graphs import FrameGraphs
 from omniloop.gpu.kv_budget import module_bytes
 from omniloop.gpu.talker_runner import TalkerRunner
+from omniloop.models.qwen3_tts import layers
 from omniloop.models.qwen3_tts.config import parse_tts_config
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
@@ -67,6 +68,15 @@ def time_ms(fn, iters: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) / iters
 
 
+def count_gpu_ops(fn) -> int:
+    """Kernels, copies and memsets one call launches (what a graph of it replays), from torch.profiler."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def graph_of(fn) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -110,7 +120,7 @@ def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: in
             floor_talker = (talker_bytes + b * context * kv_per_token) / COPY_BYTES_PER_S * 1e3
             floor_cp = 15 * cp_bytes / COPY_BYTES_PER_S * 1e3
             rows.append(dict(
-                batch=b, context=context,
+                batch=b, context=context, gpu_ops_per_frame=count_gpu_ops(eager),
                 frame_graph_ms=time_ms(frame_graph, iters), frame_eager_ms=time_ms(eager, max(3, iters // 10)),
                 talker_graph_ms=time_ms(talker_only.replay, iters), cp_graph_ms=time_ms(cp_only.replay, iters),
                 floor_talker_ms=floor_talker, floor_cp_ms=floor_cp))
@@ -229,8 +239,11 @@ def main() -> None:
     parser.add_argument("--runner-steps", type=int, default=60)
     parser.add_argument("--compile", action="store_true", help="only the torch.compile experiment")
     parser.add_argument("--sampling", action="store_true", help="only the sampling cost breakdown")
+    parser.add_argument("--no-fused-norm-rope", action="store_true", help="torch q/k norm + rope on CUDA")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.no_fused_norm_rope:
+        layers.FUSED_NORM_ROPE = False
     torch.manual_seed(0)
     cfg = parse_tts_config(config_1p7b(), None)
     model = Qwen3TtsModel(cfg, device="cuda", dtype=torch.bfloat16).eval()  # random init: timing only
@@ -239,7 +252,7 @@ def main() -> None:
             if p.dim() > 1:
                 p.normal_(0.0, 0.02)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
+          f"fused norm+rope {layers.FUSED_NORM_ROPE}, talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
     if args.compile or args.sampling:
         rows = bench_compiled_cp(model, args.batch) if args.compile else bench_sampling(args.batch)
         if args.out:

@@ -26,6 +26,11 @@ from torch import nn
 from omniloop.models.qwen3_tts.config import DecoderConfig
 
 
+# CUDA: per-head q/k RMSNorm + rope in one Triton kernel (``gpu/kernels/qk_norm_rope.py``); a switch so
+# benchmarks can measure the torch path it replaces
+FUSED_NORM_ROPE = True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
@@ -110,6 +115,15 @@ class StackStep:
     index: tuple[torch.Tensor, ...] | None  # per-row cache write index (rows, heads, positions)
     slots: torch.Tensor | None
     mask: torch.Tensor | None  # bool [B, 1, L, kv_len] (True = may attend), or additive [B, 1, 1, kv_len]
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None  # CUDA: cos, folded sin [R, D] for the fused kernel
+
+    def norm_rope(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
+        """RMSNorm over the last dim, then rope; x ``[B, L, heads, D]``."""
+        if self.rows is not None and FUSED_NORM_ROPE:
+            from omniloop.gpu.kernels.qk_norm_rope import norm_rope
+
+            return norm_rope(x, norm.weight, norm.eps, *self.rows)
+        return self.rope(norm(x))
 
     def rope(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[B, L, heads, D]``."""
@@ -138,8 +152,8 @@ class Attention(nn.Module):
         row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
         gathering (a copy)."""
         b, n, _ = x.shape
-        q = s.rope(self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)))
-        k = s.rope(self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim))).transpose(1, 2)
+        q = s.norm_rope(self.q_proj(x).view(b, n, self.num_heads, self.head_dim), self.q_norm)
+        k = s.norm_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim), self.k_norm).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if s.start is not None:
             k_cache[:b, :, s.start:s.start + n] = k
@@ -223,26 +237,28 @@ class DecoderStack(nn.Module):
                 raise ValueError("shared positions need kv_len = start + L, start 0 when L > 1, and slots=None")
             cos, sin, sin_folded = self.rope.table(k_cache.shape[3], x.dtype)
             window = slice(positions, positions + n)
+            rows = (cos[window], sin_folded[window]) if fast else None
             return StackStep(cos[window, None], (sin_folded if fast else sin)[window, None], kv_len, fast,
-                             positions, None, None, None)
+                             positions, None, None, None, rows)
         if positions.dim() == 2 and positions.shape[1] == 1 and fast:
             cos, _, sin_folded = self.rope.table(k_cache.shape[3], x.dtype)
             # positions >= the table (none in practice) would read out of bounds: clamp like the writes
             at = positions.clamp(max=k_cache.shape[3] - 1)
-            cos, sin = cos[at][:, :, None], sin_folded[at][:, :, None]
+            cos, sin = cos[at], sin_folded[at]
         else:
             cos, sin = self.rope(positions, x.dtype)
             if fast:
                 half = sin.shape[-1] // 2
                 sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
-            cos, sin = cos[:, :, None], sin[:, :, None]
+        rows = (cos.reshape(b * n, -1).contiguous(), sin.reshape(b * n, -1).contiguous()) if fast else None
+        cos, sin = cos[:, :, None], sin[:, :, None]
         # the caller marks padding tokens with a position >= max_len; they land on the scratch position
         write_pos = positions.clamp(max=k_cache.shape[3] - 1)
         heads = torch.arange(self.num_kv_heads, device=dev)
-        rows = torch.arange(b, device=dev) if slots is None else slots
-        index = (rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
+        batch_rows = torch.arange(b, device=dev) if slots is None else slots
+        index = (batch_rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
         keys = torch.arange(kv_len, device=dev)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]
         if fast and n == 1:
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=dev).masked_fill_(~mask, float("-inf"))
-        return StackStep(cos, sin, kv_len, fast, None, index, slots, mask)
+        return StackStep(cos, sin, kv_len, fast, None, index, slots, mask, rows)
