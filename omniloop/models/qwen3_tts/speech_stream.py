@@ -216,6 +216,11 @@ class CodecStreams:
             raise ValueError(f"codes for {req_id!r} must be in [0, {size}), got [{a.min()}, {a.max()}]")
         return a
 
+    def warmup(self) -> int:
+        """Capture every step graph up front (CUDA); returns how many exist. Without it, each bucket is
+        captured the first time a step needs it, stalling that step."""
+        return self._graphs.capture_all() if self._graphs is not None else 0
+
     def _grow(self) -> None:
         old = self.capacity
         if old >= self.max_streams:
@@ -249,6 +254,14 @@ class _StepGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+
+    def capture_all(self) -> int:
+        """Capture every (batch, frames) bucket now, so no step while serving stalls on a capture."""
+        for rows in self.batch:
+            for frames in FRAME_BUCKETS:
+                if (rows, frames) not in self.graphs:
+                    self.graphs[(rows, frames)] = self._capture(rows, frames)
+        return len(self.graphs)
 
     def replay(self, bucket: tuple[int, int], host: Tensor) -> Tensor:
         """Copy the step's inputs in, replay; the PCM is valid until the next step."""

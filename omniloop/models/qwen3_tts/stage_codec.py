@@ -66,18 +66,24 @@ class CodecRunner(CpuRunner):
 def build_codec(stage: Any, profile: Any) -> Worker:
     ckpt = resolve_checkpoint(profile)
     opts = dict(stage.options)
+    cudnn_benchmark = bool(opts.pop("cudnn_benchmark", False))
     if opts:
-        raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.codec")
+        raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.codec "
+                         "(known: cudnn_benchmark)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
-    if torch.device(stage.device).type == "cuda":
+    is_cuda = torch.device(stage.device).type == "cuda"
+    if is_cuda and cudnn_benchmark:
         # cuDNN's heuristic picks a ~30 TFLOP/s fallback for one of the decoder's dilated convs (5.9 of
-        # 27 ms of a 64 x 8-frame step on an H200, benchmarks/codec-steps.md); timed choice avoids it.
-        # Step shapes are bucketed (speech_stream), so each shape is timed once, in a graph's warm-up.
+        # 27 ms of a 64 x 8-frame step on an H200, benchmarks/codec-steps.md); timed choice avoids it,
+        # at the price of a longer start (every bucketed shape is timed in its graph's warm-up).
         torch.backends.cudnn.benchmark = True
     tokenizer = SpeechTokenizer.load(ckpt.path, device=stage.device, dtype=dtype, load_format=ckpt.load_format,
                                      with_encoder=False, seed=profile.seed)
+    # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
     streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
-                           initial_slots=min(8, stage.max_num_seqs))
+                           initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs))
+    if is_cuda:
+        streams.warmup()
     chunking = profile.chunking
     frames = max(chunking.frames, chunking.initial_frames)
     scheduler = CodecScheduler(CodecConfig(
