@@ -216,10 +216,10 @@ class CodecStreams:
             raise ValueError(f"codes for {req_id!r} must be in [0, {size}), got [{a.min()}, {a.max()}]")
         return a
 
-    def warmup(self) -> int:
-        """Capture every step graph up front (CUDA); returns how many exist. Without it, each bucket is
-        captured the first time a step needs it, stalling that step."""
-        return self._graphs.capture_all() if self._graphs is not None else 0
+    def warmup(self, max_rows_x_frames: int = 256) -> int:
+        """Capture the common step graphs up front (CUDA); returns how many exist. Without it, each bucket
+        is captured the first time a step needs it, stalling that step."""
+        return self._graphs.capture_all(max_rows_x_frames) if self._graphs is not None else 0
 
     def _grow(self) -> None:
         old = self.capacity
@@ -255,11 +255,12 @@ class _StepGraphs:
     def clear(self) -> None:
         self.graphs.clear()
 
-    def capture_all(self) -> int:
-        """Capture every (batch, frames) bucket now, so no step while serving stalls on a capture."""
+    def capture_all(self, max_rows_x_frames: int) -> int:
+        """Capture the (batch, frames) buckets up to ``rows * frames <= max_rows_x_frames`` now, so the common
+        steps never stall on a capture while serving (larger ones are captured on first use)."""
         for rows in self.batch:
             for frames in FRAME_BUCKETS:
-                if (rows, frames) not in self.graphs:
+                if rows * frames <= max_rows_x_frames and (rows, frames) not in self.graphs:
                     self.graphs[(rows, frames)] = self._capture(rows, frames)
         return len(self.graphs)
 

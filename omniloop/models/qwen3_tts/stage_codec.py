@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from omniloop.gpu.runner import CpuRunner
+from omniloop.log import get_logger
 from omniloop.models.qwen3_tts.family import resolve_checkpoint
 from omniloop.models.qwen3_tts.speech_stream import CodecStreams
 from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
@@ -26,6 +27,7 @@ from omniloop.scheduler.codec import CodecConfig, CodecScheduler
 from omniloop.scheduler.plan import CodecStepPlan, CodecStepResult
 
 SAMPLES_PER_FRAME = 1920
+log = get_logger(__name__)
 
 
 class CodecRunner(CpuRunner):
@@ -67,9 +69,10 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     ckpt = resolve_checkpoint(profile)
     opts = dict(stage.options)
     cudnn_benchmark = bool(opts.pop("cudnn_benchmark", False))
+    warmup_frames = int(opts.pop("warmup_rows_x_frames", 256))
     if opts:
         raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.codec "
-                         "(known: cudnn_benchmark)")
+                         "(known: cudnn_benchmark, warmup_rows_x_frames)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
     is_cuda = torch.device(stage.device).type == "cuda"
     if is_cuda and cudnn_benchmark:
@@ -82,8 +85,10 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
     streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
                            initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs))
-    if is_cuda:
-        streams.warmup()
+    if is_cuda and warmup_frames > 0:
+        num = streams.warmup(warmup_frames)
+        log.info("codec_graphs_captured", stage=stage.name, num_graphs=num,
+                 reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
     chunking = profile.chunking
     frames = max(chunking.frames, chunking.initial_frames)
     scheduler = CodecScheduler(CodecConfig(
