@@ -26,12 +26,14 @@ from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, prompt_length
 from omniloop.models.qwen3_tts.tokenizer import TextTokenizer
 from omniloop.models.qwen3_tts.validate import validate_speech_request
 from omniloop.models.qwen3_tts.voice import VoiceEncoder
+from omniloop.log import get_logger
 from omniloop.models.registry import Worker
 from omniloop.scheduler.ar import ArConfig, ArScheduler
 from omniloop.scheduler.request import ArPrompt
 from omniloop.transport.messages import SpeechRequest, Submit
 
 SAMPLES_PER_FRAME = 1920
+log = get_logger(__name__)
 DEFAULT_MAX_MODEL_LEN = 4096  # positions per request (prompt + frames): ~5 minutes of audio
 BLOCK_SIZE = 16
 
@@ -123,6 +125,9 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     runner = TalkerRunner(model, device=stage.device, max_num_seqs=stage.max_num_seqs,
                           max_len=max_model_len, use_cuda_graphs=use_graphs,
                           gpu_memory_fraction=stage.gpu_memory_fraction, stage=stage.name)
+    if torch.device(stage.device).type == "cuda":
+        log.info("talker_ready_on_gpu", stage=stage.name, max_num_seqs=stage.max_num_seqs, max_model_len=max_model_len,
+                 reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
     admission = TalkerAdmission(cfg, TextTokenizer.from_dir(ckpt.path), voice, max_model_len,
                                 profile.max_text_chars, max_ref_seconds)
     blocks_per_seq = math.ceil(max_model_len / BLOCK_SIZE)
