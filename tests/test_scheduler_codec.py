@@ -159,3 +159,14 @@ def test_step_budget_and_deadline_order():
     clock.now += 0.01
     send(sched, "a", 6, 4)
     assert sizes(sched.schedule()) == [("b", 4)]  # b is now the one closest to running dry
+
+
+def test_out_of_range_codes_fail_only_their_request() -> None:
+    sched = CodecScheduler(CodecConfig(max_num_seqs=4, codebook_size=2048))
+    good = np.zeros((2, 16), dtype=np.int64)
+    bad = np.full((1, 16), 2477, dtype=np.int64)
+    assert sched.extend("ok", Chunk("ok", 0), {"codes": good}) == []
+    emits = sched.extend("bad", Chunk("bad", 0), {"codes": bad})
+    assert len(emits) == 1 and isinstance(emits[0].msg, Finish) and emits[0].msg.reason == "error"
+    assert "2477" in emits[0].msg.error
+    assert sched.num_requests == 1  # the good request is untouched

@@ -128,3 +128,16 @@ def test_bad_sampling_values_are_refused(tts_fixtures, bad: dict) -> None:
     with pytest.raises(RequestError) as err:
         validate_speech_request(cfg, req)
     assert err.value.status == 400 and next(iter(bad)) in err.value.message
+
+
+def test_gumbel_noise_stays_finite_so_removed_tokens_are_never_drawn() -> None:
+    """A uniform of exactly 1.0 (float32 rounding of the largest counter value) must not yield +inf noise:
+    +inf on a suppressed (-inf) logit is NaN, and argmax would pick that suppressed token."""
+    from omniloop.models.qwen3_tts.sampling import gumbel_noise, sample_noisy
+
+    u = torch.tensor([[0.5, 1.0, 2.0**-24]], dtype=torch.float32)
+    assert torch.isfinite(gumbel_noise(u)).all()
+    logits = torch.tensor([[0.0, float("-inf"), -1.0]])
+    token = sample_noisy(logits, torch.tensor([True]), torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]),
+                         gumbel_noise(u))
+    assert token.item() != 1

@@ -39,6 +39,7 @@ class CodecConfig:
     max_frames_per_step: int = 512
     initial_frames: int = 2  # first chunk (per-request override: SpeechRequest.initial_chunk_frames)
     frames: int = 25  # largest chunk
+    codebook_size: int = 2048
 
     def __post_init__(self) -> None:
         if not 1 <= self.initial_frames <= self.frames <= self.max_frames_per_step:
@@ -83,6 +84,10 @@ class CodecScheduler:
             codes = np.asarray(codes, dtype=np.int64)
             if codes.ndim != 2:
                 return [self._finish(req, Reason.ERROR.value, f"codes must be [n, groups], got {codes.shape}")]
+            # checked here, per request: a bad code inside a batched step would fail every request in it
+            if codes.min() < 0 or codes.max() >= self.config.codebook_size:
+                return [self._finish(req, Reason.ERROR.value, f"codes must be in [0, {self.config.codebook_size}), "
+                                                              f"got [{codes.min()}, {codes.max()}]")]
             req.pending.append(codes)
             req.num_received += len(codes)
         if getattr(chunk, "final", False):

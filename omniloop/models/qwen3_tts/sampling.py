@@ -105,8 +105,13 @@ def counter_uniform_groups(seed: torch.Tensor, step: torch.Tensor, first_group: 
     return _to_uniform(h[..., None], vocab)
 
 
+# The largest uniform, (2^24 - 0.5) / 2^24, rounds to exactly 1.0 in float32, whose Gumbel noise is +inf: added
+# to a removed token's -inf it makes NaN, which argmax picks. Clamping below 1 keeps every noise finite.
+_U_MAX = 1.0 - 2.0**-24
+
+
 def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(u.clamp(max=_U_MAX)))
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
