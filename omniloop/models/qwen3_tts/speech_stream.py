@@ -144,20 +144,34 @@ class CodecStreams:
 
     @torch.inference_mode()
     def decode_host(self, chunks: Sequence[tuple[str, np.ndarray | Tensor]]) -> list[np.ndarray]:
-        """``decode`` with the PCM on the host: one copy of the whole batch into pinned memory and one wait,
-        then a numpy view per row (float32, or float64 for a float64 decoder)."""
+        """``decode`` with the PCM on the host (numpy views; float32, or float64 for a float64 decoder).
+
+        With graphs, chunks are grouped by frame bucket and each group is one replay, so a step that mixes a
+        25-frame chunk with many 1-frame first chunks does not pad every row to 25 frames. Each group's PCM
+        is copied into pinned memory before the next replay reuses the graphs' memory; one wait at the end."""
         if not chunks:
             return []
         lens = [int(np.shape(codes)[0]) if np.ndim(codes) else 0 for _, codes in chunks]
-        pcm = self._step(chunks, lens)[:len(chunks)]
-        if pcm.device.type != "cpu":
-            host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
-            host.copy_(pcm, non_blocking=True)
-            torch.cuda.current_stream(pcm.device).synchronize()
-            pcm = host
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lens):
+            groups.setdefault(self._graphs.bucket(1, max(n, 1))[1] if self._graphs is not None else 0, []).append(i)
+        copies: list[tuple[list[int], Tensor]] = []
+        for _, rows in sorted(groups.items()):
+            pcm = self._step([chunks[i] for i in rows], [lens[i] for i in rows])[:len(rows)]
+            if pcm.device.type != "cpu":
+                host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+                host.copy_(pcm, non_blocking=True)
+                pcm = host
+            copies.append((rows, pcm))
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         spf = self.decoder.samples_per_frame
-        arr = pcm.numpy()
-        return [arr[row, :n * spf] for row, n in enumerate(lens)]
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(chunks)
+        for rows, pcm in copies:
+            arr = pcm.numpy()
+            for row, i in enumerate(rows):
+                out[i] = arr[row, :lens[i] * spf]
+        return out
 
     def _step(self, chunks: Sequence[tuple[str, np.ndarray | Tensor]], lens: list[int]) -> Tensor:
         """Run one batched step; returns PCM ``[>= len(chunks), >= max(lens) * 1920]`` on the device."""
