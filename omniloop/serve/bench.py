@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -140,9 +141,10 @@ def _plain(value: object) -> object:
 def _provenance(args: argparse.Namespace) -> dict:
     def git(*cmd: str) -> str:
         try:
-            return subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5).stdout.strip()
+            proc = subprocess.run(["git", *cmd], capture_output=True, text=True, timeout=5)
         except (OSError, subprocess.SubprocessError):
-            return "?"
+            return "unknown"
+        return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
     device = "cpu"
     try:
@@ -152,7 +154,9 @@ def _provenance(args: argparse.Namespace) -> dict:
             device = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    return {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"),
+    # a copy of the tree without .git (e.g. on a lent GPU machine) cannot tell; OMNILOOP_COMMIT can
+    commit = os.environ.get("OMNILOOP_COMMIT") or git("rev-parse", "HEAD")
+    return {"command": " ".join(sys.argv), "commit": commit,
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
             "device": device, "host": platform.node(), "python": platform.python_version()}
 
