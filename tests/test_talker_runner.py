@@ -14,7 +14,7 @@ import torch
 from omniloop.gpu.kv_budget import GiB, size_talker_kv
 from omniloop.gpu.talker_runner import TalkerRunner
 from omniloop.models.qwen3_tts.checkpoint import build_model
-from omniloop.models.qwen3_tts.config import load_tts_config, parse_tts_config
+from omniloop.models.qwen3_tts.config import load_tts_config
 from omniloop.models.qwen3_tts.generate import generate
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompt
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
@@ -68,7 +68,6 @@ def _input(text: str, frames: int, sampling: dict | None = None, seed: int = 0) 
 
 def _plans(jobs: list[Job]):
     """Yield plans tick by tick; each live job contributes its next piece (async: no results needed)."""
-    by_id = {job.req_id: job for job in jobs}
     step_id = 0
     while not all(job.is_done for job in jobs):
         plan = ArStepPlan(step_id=step_id, seqs=[])
@@ -197,26 +196,9 @@ def test_kv_budget_sizes_max_len_and_names_the_numbers_when_it_does_not_fit() ->
                             gpu_memory_fraction=0.5, weight_bytes=GiB // 2, reserve_bytes=GiB // 4)
     assert sizing.num_slots == 8 and sizing.max_len >= 1
     assert sizing.cache_bytes <= sizing.budget_bytes
-    real = parse_tts_config(_real_1p7b(), None)
+    real = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))  # the released 1.7B shapes
     with pytest.raises(ValueError) as err:
         size_talker_kv("talker", real, torch.bfloat16, max_num_seqs=64, total_bytes=80 * GiB,
                        gpu_memory_fraction=0.3, weight_bytes=4 * GiB, max_len=8192)
     text = str(err.value)
     assert "'talker'" in text and "64 slots x 8192" in text and "0.3" in text and "118784 B" in text
-
-
-def _real_1p7b() -> dict:
-    cp = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
-              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-              rope_parameters=dict(rope_type="default", rope_theta=1e6), num_code_groups=16)
-    talker = dict(vocab_size=3072, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[24, 20, 20],
-                                       interleaved=True),
-                  num_code_groups=16, text_hidden_size=2048, text_vocab_size=151936, code_predictor_config=cp,
-                  codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,
-                  codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
-                  codec_language_id=dict(english=2050), spk_id={}, spk_is_dialect={})
-    return dict(tts_model_type="base", tts_model_size="1b7", im_start_token_id=151644, im_end_token_id=151645,
-                assistant_token_id=77091, tts_pad_token_id=151671, tts_bos_token_id=151672,
-                tts_eos_token_id=151673, talker_config=talker, speaker_encoder_config=dict(enc_dim=2048))

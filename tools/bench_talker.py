@@ -22,7 +22,8 @@ from omniloop.gpu.cuda_graphs import FrameGraphs
 from omniloop.gpu.kv_budget import module_bytes
 from omniloop.gpu.talker_runner import TalkerRunner
 from omniloop.models.qwen3_tts import layers
-from omniloop.models.qwen3_tts.config import parse_tts_config
+from omniloop.models.qwen3_tts.config import load_tts_config
+from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan
@@ -36,24 +37,6 @@ class _Payload:
     prompt: Prompt | None
 SAMPLED = dict(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
                sub_do_sample=True, sub_temperature=0.9, sub_top_k=50, sub_top_p=1.0)
-
-
-def config_1p7b() -> dict:
-    """Qwen3-TTS-12Hz-1.7B sizes (released config.json), in the spelling our parser reads."""
-    cp = dict(vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
-              num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-              rope_parameters=dict(rope_type="default", rope_theta=1e6), num_code_groups=16)
-    talker = dict(vocab_size=3072, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                  rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[24, 20, 20],
-                                       interleaved=True),
-                  num_code_groups=16, text_hidden_size=2048, text_vocab_size=151936, code_predictor_config=cp,
-                  codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,
-                  codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157,
-                  codec_language_id=dict(english=2050), spk_id={}, spk_is_dialect={})
-    return dict(tts_model_type="base", tts_model_size="1b7", im_start_token_id=151644, im_end_token_id=151645,
-                assistant_token_id=77091, tts_pad_token_id=151671, tts_bos_token_id=151672,
-                tts_eos_token_id=151673, talker_config=talker, speaker_encoder_config=dict(enc_dim=2048))
 
 
 def time_ms(fn, iters: int, warmup: int = 3) -> float:
@@ -245,7 +228,7 @@ def main() -> None:
     if args.no_fused_norm_rope:
         layers.FUSED_NORM_ROPE = False
     torch.manual_seed(0)
-    cfg = parse_tts_config(config_1p7b(), None)
+    cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))  # the released 1.7B shapes
     model = Qwen3TtsModel(cfg, device="cuda", dtype=torch.bfloat16).eval()  # random init: timing only
     with torch.no_grad():
         for p in model.parameters():

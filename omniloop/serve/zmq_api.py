@@ -10,7 +10,6 @@ wait for credit; its requests are aborted in every stage.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
