@@ -22,6 +22,7 @@ import numpy as np
 from omniloop.actors.collector import Collector, Output
 from omniloop.actors.doorway import Doorway
 from omniloop.actors.supervisor import Supervisor, describe_exit
+from omniloop.actors.trace import Tracer
 from omniloop.errors import FrameError, RequestError
 from omniloop.log import get_logger
 from omniloop.models.registry import ModelInfo, info_for, validator_for
@@ -67,6 +68,7 @@ class Engine:
         self._dead: str | None = None  # why the engine stopped serving, once a stage died
         self._num_submitted = 0
         self._num_finished: Counter[str] = Counter()
+        self.tracer = Tracer("frontend")
 
     # ---- lifecycle
     @classmethod
@@ -136,6 +138,7 @@ class Engine:
             self._outboxes.clear()
             if self._doorway is not None:
                 self._doorway.close()
+            self.tracer.flush()
             log.info("engine_stopped", profile=self.profile.name)
 
     def _send_shutdown(self, stage: str) -> None:
@@ -174,6 +177,7 @@ class Engine:
         collector = self._requests[req_id] = Collector(req_id)
         self._idle.clear()
         self._num_submitted += 1
+        self.tracer.begin("request", req_id)
         self._outboxes[self._first].send(Submit(req_id, request, arrival=time.time()))
         try:
             while True:
@@ -196,6 +200,7 @@ class Engine:
             return
         collector.put_finish(finish)
         self._num_finished[finish.reason] += 1
+        self.tracer.end("request", req_id, reason=finish.reason, samples=collector.num_samples)
         if broadcast and not self._is_closed:
             self._broadcast(Abort(req_id, finish.reason))
         if not self._requests:
@@ -227,6 +232,8 @@ class Engine:
                 collector.put_text(msg.text)
             pcm = arrays.get("pcm")
             if pcm is not None:
+                if collector.num_samples == 0 and len(pcm):
+                    self.tracer.instant("first_audio", msg.req_id)
                 collector.put_pcm(pcm)
             codes = arrays.get("codes")
             if codes is not None:

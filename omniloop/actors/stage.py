@@ -22,6 +22,7 @@ from typing import Any
 
 from omniloop.actors.actor import EXIT_FATAL, EXIT_OK, EXIT_START_FAILED, ActorSpec
 from omniloop.actors.doorway import Doorway, doorway_for
+from omniloop.actors.trace import Tracer, now_us
 from omniloop.errors import FrameError
 from omniloop.log import get_logger
 from omniloop.models.registry import build_worker
@@ -42,6 +43,8 @@ class StageActor:
         self.num_in_flight = 0
         self.num_steps = 0
         self._step_s_total = 0.0
+        self.tracer = Tracer(spec.stage)
+        self._free_lanes = list(range(self.stage.max_in_flight))  # trace lanes: in-flight steps overlap
         self._inbox: Inbox | None = None
         self._to_next: Outbox | None = None
         self._to_frontend: Outbox | None = None
@@ -120,6 +123,10 @@ class StageActor:
                 resource.close()
             except Exception as exc:  # keep closing the rest: a leak elsewhere is worse
                 log.error("stage_close_failed", stage=self.stage.name, what=what, error=repr(exc))
+        try:
+            self.tracer.flush()
+        except OSError as exc:
+            log.error("stage_trace_write_failed", stage=self.stage.name, error=repr(exc))
 
     # ---- wake-up 1: inbox input
     def _on_inbox(self, batch: list[Delivery]) -> None:
@@ -159,8 +166,11 @@ class StageActor:
         self._send([Emit("frontend", Finish(exc.req_id, Reason.ERROR.value, error=str(exc), stage=self.stage.name))])
 
     # ---- wake-up 2: a step completed
-    def _on_step_done(self, plan: Any, started: float, future: asyncio.Future) -> None:
+    def _on_step_done(self, plan: Any, started: float, lane: int, future: asyncio.Future) -> None:
         self.num_in_flight -= 1
+        self._free_lanes.append(lane)
+        if self.tracer.enabled:
+            self.tracer.span("step", started * 1e6, now_us(), lane, **_plan_size(plan))
         if self.is_stopping:  # steps failed by the runner's close: nobody is waiting for them any more
             if not future.cancelled():
                 future.exception()
@@ -169,7 +179,7 @@ class StageActor:
             error = future.exception() if not future.cancelled() else asyncio.CancelledError("step cancelled")
             if error is None:
                 self.num_steps += 1
-                self._step_s_total += time.perf_counter() - started
+                self._step_s_total += time.monotonic() - started
                 emits = self.scheduler.update(plan, future.result())
             else:
                 log.warning("stage_step_failed", stage=self.stage.name, error=repr(error))
@@ -186,8 +196,10 @@ class StageActor:
             if plan is None:
                 return
             self.num_in_flight += 1
+            lane = self._free_lanes.pop()
+            started = time.monotonic()  # the tracer's clock: one CLOCK_MONOTONIC for every process
             future = self.runner.submit(plan)
-            future.add_done_callback(functools.partial(self._on_step_done, plan, time.perf_counter()))
+            future.add_done_callback(functools.partial(self._on_step_done, plan, started, lane))
 
     def _send(self, emits: list[Emit]) -> None:
         for emit in emits:
@@ -210,6 +222,17 @@ class StageActor:
             step_ms=1000.0 * self._step_s_total / max(1, self.num_steps),
             extra={"num_requests": float(sched.num_requests), "num_in_flight": float(self.num_in_flight)},
         )
+
+
+def _plan_size(plan: Any) -> dict[str, int]:
+    """What a step carried, for its trace span: requests, positions or frames, admissions, decodes."""
+    seqs = getattr(plan, "seqs", None) or getattr(plan, "items", ())
+    size = {"seqs": len(seqs), "new": len(getattr(plan, "new", ()))}
+    for name in ("num_tokens", "num_frames"):
+        if hasattr(plan, name):
+            size[name] = int(getattr(plan, name))
+    size["decodes"] = sum(1 for seq in seqs if getattr(seq, "is_decode", False))
+    return size
 
 
 def _summary(exc: BaseException) -> str:

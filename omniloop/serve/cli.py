@@ -99,9 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="FILE.json")
     _common(p)
 
-    p = sub.add_parser("trace", help="record a Chrome/Perfetto trace of a short run")
+    p = sub.add_parser("trace", help="record a Chrome/Perfetto trace of a short run (open it in ui.perfetto.dev)")
     p.add_argument("profile", nargs="?", default=DEFAULT_PROFILE)
     _model_args(p)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--num-requests", type=int, default=8)
+    p.add_argument("--text-words", type=int, default=20)
+    p.add_argument("--max-frames", type=int, default=25)
     p.add_argument("--out", default="omniloop-trace.json")
     _common(p)
     return parser

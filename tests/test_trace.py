@@ -1,0 +1,48 @@
+"""Tracing: with OMNILOOP_TRACE_DIR set, every actor writes its steps and requests, and the merged file is
+a Chrome/Perfetto trace in which each stage's steps and each request's lifetime can be read."""
+
+from __future__ import annotations
+
+import json
+
+from omniloop.actors.engine import Engine
+from omniloop.actors.trace import ENV_DIR, merge_traces, summarize
+from omniloop.profile import load_profile
+from omniloop.transport.messages import SpeechRequest
+
+
+async def test_trace_records_every_stage_step_and_request(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "parts"))
+    profile = load_profile("fake", ["stages.talker.options.step_ms=5"], platform="cpu")  # stage processes
+    engine = await Engine.start(profile)
+    try:
+        for i in range(3):
+            async for _ in engine.generate(SpeechRequest(text=f"trace me {i}", max_frames=6), req_id=f"r{i}"):
+                pass
+    finally:
+        await engine.shutdown(timeout_s=5)
+    trace = merge_traces(tmp_path / "parts", tmp_path / "trace.json")
+    assert json.loads((tmp_path / "trace.json").read_text()) == trace
+    events = trace["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {"frontend", "talker", "codec"}
+    for key in ("r0", "r1", "r2"):  # each request: begin, first audio, end with its reason
+        phases = [e["ph"] for e in events if e.get("id") == key]
+        assert phases == ["b", "n", "e"], (key, phases)
+    assert all(e["args"]["reason"] == "length" for e in events if e["ph"] == "e")
+    steps = [e for e in events if e["ph"] == "X"]
+    assert steps and all(e["args"]["seqs"] >= 1 for e in steps)
+    summary = summarize(trace)
+    assert set(summary) == {"talker", "codec"}
+    assert summary["talker"]["mean_step_ms"] >= 5.0  # each fake talker step sleeps 5 ms
+    assert 0.0 < summary["talker"]["busy_fraction"] <= 1.0
+
+
+def test_tracing_is_off_by_default(tmp_path, monkeypatch) -> None:
+    from omniloop.actors.trace import Tracer
+
+    monkeypatch.delenv(ENV_DIR, raising=False)
+    tracer = Tracer("x")
+    tracer.span("step", 0.0, 1.0)
+    tracer.begin("request", "r")
+    assert not tracer.enabled and tracer.events == [] and tracer.flush() is None
