@@ -176,3 +176,25 @@ def test_base_validation(tts_fixtures) -> None:
                       (SpeechRequest(text="hi", ref_audio=b"wav", ref_text="r", instructions="loud"), "instructions")):
         with pytest.raises(RequestError, match=word):
             validate_speech_request(cfg, req)
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path, cv_dir) -> None:
+    """A released checkpoint split into shards (model.safetensors.index.json) loads to the same tensors, and a
+    shard named by the index but missing is an error naming it."""
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(cv_dir / name, tmp_path / name)
+    state = load_file(cv_dir / "model.safetensors")
+    keys = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for fname, part in shards.items():
+        save_file({k: state[k].contiguous() for k in part}, tmp_path / fname)
+    weight_map = {k: fname for fname, part in shards.items() for k in part}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    whole, _ = build_model(cv_dir)
+    sharded, _ = build_model(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), sharded.state_dict().values()))
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises((ConfigError, FileNotFoundError)) as err:
+        build_model(tmp_path)
+    assert "model-00002-of-00002.safetensors" in str(err.value)
