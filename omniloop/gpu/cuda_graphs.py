@@ -53,6 +53,7 @@ class FrameGraphs:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # with no row active, warm-up and capture change no slot state: KV writes land on the scratch position
         state.active.zero_()
+        state.fresh.zero_()
         state.positions.fill_(state.max_len)
         with torch.no_grad():
             for b in sorted(batch, reverse=True):

@@ -73,18 +73,16 @@ class TalkerSteps:
                       if seq.is_sample and seq.slot in self.context} or None
         prefill = [i for i, seq in enumerate(plan.seqs) if not seq.is_decode]
         decode = [i for i, seq in enumerate(plan.seqs) if seq.is_decode]
+        fresh: list[int] = []  # seqs whose prefill ends their prompt: first frame sampled in the frame step
+        if prefill:
+            fresh = [prefill[i] for i in self._prefill([plan.seqs[i] for i in prefill])]
         parts: list[torch.Tensor] = []
         index = np.zeros(len(plan.seqs), dtype=np.int64)  # row of the concatenated parts each seq reads
         offset = 0
-        if prefill:
-            codes, sampled = self._prefill([plan.seqs[i] for i in prefill])
-            for j, i in enumerate(sampled):
-                index[prefill[i]] = offset + j
-            parts.append(codes)
-            offset += codes.shape[0]
-        if decode:
-            codes = self._decode([plan.seqs[i] for i in decode])
-            index[decode] = offset + np.array([plan.seqs[i].slot for i in decode])
+        if decode or fresh:
+            codes = self._decode([plan.seqs[i] for i in decode], [plan.seqs[i].slot for i in fresh])
+            rows = decode + fresh
+            index[rows] = offset + np.array([plan.seqs[i].slot for i in rows])
             parts.append(codes)
             offset += codes.shape[0]
         parts.append(torch.zeros(1, 16, dtype=torch.int64, device=self.device))
@@ -103,9 +101,10 @@ class TalkerSteps:
         self.state.reset(new.slot, prompt.embeds.to(self.model.dtype), prompt.trailing, inputs.sampling or {},
                          inputs.seed)
 
-    def _prefill(self, seqs: list[ArSeq]) -> tuple[torch.Tensor, list[int]]:
-        """One right-padded forward over every piece; samples a frame for pieces that end their prompt.
-        Returns (codes ``[num_sampled, 16]``, the indices into ``seqs`` that sampled)."""
+    def _prefill(self, seqs: list[ArSeq]) -> list[int]:
+        """One right-padded forward over every piece. For pieces that end their prompt, the last hidden is
+        parked in the slot's ``pending_hidden``: the frame step samples their first frame (``_decode``).
+        Returns the indices into ``seqs`` of those pieces."""
         state, max_len = self.state, self.state.max_len
         longest = max(seq.num_tokens for seq in seqs)
         pos = np.full((len(seqs), longest), max_len, dtype=np.int64)  # padding writes the scratch position
@@ -129,29 +128,35 @@ class TalkerSteps:
         for seq in seqs:
             if seq.start + seq.num_tokens == state.prompts[seq.slot].shape[0]:
                 del state.prompts[seq.slot]  # the stream still uses it; the caching allocator orders the reuse
-        if not sampled:
-            return torch.zeros(0, 16, dtype=torch.int64, device=self.device), sampled
-        rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
-        rows_last_d = self._h2d(rows_last)
-        last = hidden[rows_last_d[0], rows_last_d[1]]
-        return self.state.frame_tail(self._h2d(slots[sampled]), last, None), sampled
+        if sampled:
+            rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
+            rows_last_d = self._h2d(rows_last)
+            last = hidden[rows_last_d[0], rows_last_d[1]]
+            state.pending_hidden.index_copy_(0, self._h2d(slots[sampled]), last.to(state.pending_hidden.dtype))
+        return sampled
 
-    def _decode(self, seqs: list[ArSeq]) -> torch.Tensor:
-        """The frame step for rows ``0..B-1`` (B >= the highest decoding slot + 1); returns codes ``[B, 16]``."""
+    def _decode(self, seqs: list[ArSeq], fresh_slots: list[int]) -> torch.Tensor:
+        """The frame step for rows ``0..B-1`` (B >= the highest decoding or fresh slot + 1): decodes ``seqs``
+        and samples the first frame of the just-prefilled ``fresh_slots``; returns codes ``[B, 16]``."""
         state = self.state
         slots = np.array([seq.slot for seq in seqs], dtype=np.int64)
         starts = np.array([seq.start for seq in seqs], dtype=np.int64)
-        if starts.max() >= state.max_len:
+        if len(starts) and starts.max() >= state.max_len:
             raise ValueError(f"decode position {int(starts.max())} reaches max_len {state.max_len}")
-        num_rows, kv_len = int(slots.max()) + 1, int(starts.max()) + 1
+        num_rows = int(max(slots.max(initial=-1), max(fresh_slots, default=-1))) + 1
+        kv_len = int(starts.max(initial=0)) + 1
         if self.graphs is not None:
             num_rows, kv_len = self.graphs.buckets_for(num_rows, kv_len)
-        positions = np.full(num_rows, state.max_len, dtype=np.int64)
+        positions = np.full(num_rows, state.max_len, dtype=np.int64)  # fresh rows decode onto the scratch position
         positions[slots] = starts
         active = np.zeros(num_rows, dtype=np.bool_)
         active[slots] = True
+        active[fresh_slots] = True
+        fresh = np.zeros(num_rows, dtype=np.bool_)
+        fresh[fresh_slots] = True
         self._h2d(positions, out=state.positions[:num_rows])
         self._h2d(active, out=state.active[:num_rows])
+        self._h2d(fresh, out=state.fresh[:num_rows])
         if self.graphs is not None:
             return self.graphs.replay(num_rows, kv_len)
         return state.decode_frame(num_rows, kv_len)

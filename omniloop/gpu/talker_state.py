@@ -31,6 +31,10 @@ class TalkerState:
     next_input: torch.Tensor  # [S, H]: decode input built from the slot's last frame
     positions: torch.Tensor  # int64 [S]: decode inputs of the frame step (graph input buffer)
     active: torch.Tensor  # bool [S]: which of rows 0..B-1 decode this step (graph input buffer)
+    # rows whose prompt was just prefilled: their first frame is sampled from ``pending_hidden`` (the
+    # prefill's last hidden) inside the frame step, not from a decode, so it needs no eager code predictor
+    fresh: torch.Tensor  # bool [S] (graph input buffer)
+    pending_hidden: torch.Tensor  # [S, H]
     prompts: dict[int, torch.Tensor]  # slot -> prompt embeds [L, H], until its prefill is done
 
     @classmethod
@@ -44,7 +48,11 @@ class TalkerState:
                    next_input=torch.zeros(num_slots, model.cfg.talker.decoder.hidden_size, dtype=model.dtype,
                                           device=dev),
                    positions=torch.full((num_slots,), max_len, dtype=torch.int64, device=dev),
-                   active=torch.zeros(num_slots, dtype=torch.bool, device=dev), prompts={})
+                   active=torch.zeros(num_slots, dtype=torch.bool, device=dev),
+                   fresh=torch.zeros(num_slots, dtype=torch.bool, device=dev),
+                   pending_hidden=torch.zeros(num_slots, model.cfg.talker.decoder.hidden_size, dtype=model.dtype,
+                                              device=dev),
+                   prompts={})
 
     @property
     def num_slots(self) -> int:
@@ -67,41 +75,32 @@ class TalkerState:
         self.step[slot] = 0
         self.prompts[slot] = embeds
 
-    def frame_tail(self, rows: torch.Tensor | None, hidden: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
-        """Sample one frame per row from the talker's last hidden ``[B, H]`` and advance the rows' state.
-
-        ``rows=None``: rows are slots 0..B-1, ``active`` masks the state updates. Otherwise ``rows`` are
-        the (distinct) slots of the batch, all active. Returns codes ``[B, 16]``."""
+    def frame_tail(self, hidden: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Sample one frame for each of rows (= slots) ``0..B-1`` from the talker's last hidden ``[B, H]`` and
+        advance the state of the ``active`` rows. Returns codes ``[B, 16]``."""
         model, cache, b = self.model, self.cache, hidden.shape[0]
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t[:b] if rows is None else t[rows]
-
-        params = SamplingParams(**{f.name: take(getattr(self.params, f.name)) for f in fields(SamplingParams)})
-        step = take(self.step)
+        params = SamplingParams(**{f.name: getattr(self.params, f.name)[:b] for f in fields(SamplingParams)})
+        step = self.step[:b]
         logits = model.talker.codec_head(hidden)
         noise0, noise_sub = model.frame_noise(params, step)
-        code0 = sample_code0(logits, params, take(cache.seen), step, model.cfg.talker.codec_eos_id, noise0)
+        code0 = sample_code0(logits, params, cache.seen[:b], step, model.cfg.talker.codec_eos_id, noise0)
         rest = model.code_predictor.predict(hidden, model.codec_embed(code0), params, step, noise_sub)
         codes = torch.cat((code0[:, None], rest), dim=1)
-        slots = torch.arange(b, device=hidden.device) if rows is None else rows
-        embeds = model.next_input(slots, codes, step)
-        if rows is None:
-            seen = cache.seen[:b]
-            mark = seen.gather(1, code0[:, None]) | active[:, None]
-            seen.scatter_(1, code0[:, None], mark)
-            self.next_input[:b] = torch.where(active[:, None], embeds.to(self.next_input.dtype), self.next_input[:b])
-            self.step[:b] += active.to(torch.int64)
-        else:
-            cache.seen.index_put_((rows, code0), torch.ones_like(code0, dtype=torch.bool))
-            self.next_input.index_copy_(0, rows, embeds.to(self.next_input.dtype))
-            self.step.index_add_(0, rows, torch.ones_like(rows))
+        embeds = model.next_input(torch.arange(b, device=hidden.device), codes, step)
+        seen = cache.seen[:b]
+        mark = seen.gather(1, code0[:, None]) | active[:, None]
+        seen.scatter_(1, code0[:, None], mark)
+        self.next_input[:b] = torch.where(active[:, None], embeds.to(self.next_input.dtype), self.next_input[:b])
+        self.step[:b] += active.to(torch.int64)
         return codes
 
     def decode_frame(self, b: int, kv_len: int) -> torch.Tensor:
         """The whole decode frame step for rows (= slots) ``0..b-1``: talker decode at ``positions[:b]``
-        over keys ``[0, kv_len)``, then ``frame_tail``. Reads only fixed buffers: this is what gets captured."""
+        over keys ``[0, kv_len)``, then ``frame_tail``. Reads only fixed buffers: this is what gets captured.
+        A ``fresh`` row (position = scratch, so its decode writes no real KV) takes ``pending_hidden`` instead
+        of its decode output: its first frame after prefill."""
         positions, active = self.positions[:b], self.active[:b]
         x = self.next_input[:b, None]
         hidden = self.model.talker.model(x, positions[:, None], self.cache.k, self.cache.v, None, kv_len)[:, 0]
-        return self.frame_tail(None, hidden, active)
+        hidden = torch.where(self.fresh[:b, None], self.pending_hidden[:b].to(hidden.dtype), hidden)
+        return self.frame_tail(hidden, active)
