@@ -272,10 +272,13 @@ class _StepGraphs:
     def capture_all(self, max_rows_x_frames: int) -> int:
         """Capture the (batch, frames) buckets up to ``rows * frames <= max_rows_x_frames`` now, so the common
         steps never stall on a capture while serving (larger ones are captured on first use)."""
-        for rows in self.batch:
-            for frames in FRAME_BUCKETS:
-                if rows * frames <= max_rows_x_frames and (rows, frames) not in self.graphs:
-                    self.graphs[(rows, frames)] = self._capture(rows, frames)
+        # largest first: the graphs share one memory pool, and smaller captures can then reuse (split) the
+        # blocks a larger one freed; smallest first makes every capture grow the pool (56 GiB reserved for
+        # 47 graphs of the 1.7B decoder on the H200 that way)
+        shapes = [(r, f) for r in self.batch for f in FRAME_BUCKETS if r * f <= max_rows_x_frames]
+        for rows, frames in sorted(shapes, key=lambda rf: (rf[0] * rf[1], rf), reverse=True):
+            if (rows, frames) not in self.graphs:
+                self.graphs[(rows, frames)] = self._capture(rows, frames)
         return len(self.graphs)
 
     def replay(self, bucket: tuple[int, int], host: Tensor) -> Tensor:
