@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from omniloop.profile import Profile, load_profile
+from omniloop.profile import Profile
+from omniloop.serve.serve_cmd import profile_from_args
 from omniloop.transport.messages import SpeechRequest
 
 SAMPLE_RATE = 24000
@@ -162,12 +163,7 @@ def _provenance(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if args.model:
-        overrides.append(f"model_dir={args.model}")
-    if args.load_format:
-        overrides.append(f"load_format={args.load_format}")
-    profile = load_profile(args.profile, overrides, args.platform)
+    profile = profile_from_args(args)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     import uvloop
 

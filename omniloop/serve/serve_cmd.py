@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from omniloop.profile import load_profile
+from omniloop.profile import Profile, load_profile
 
 
-def profile_from_args(args: argparse.Namespace) -> "Profile":  # noqa: F821
-    """The profile with --model / --load-format folded in as overrides (they win over --set)."""
+def profile_from_args(args: argparse.Namespace) -> Profile:
+    """The profile named on the command line (serve, bench, trace) with --model / --load-format folded in
+    as overrides (they win over --set)."""
     overrides = list(args.overrides)
     if getattr(args, "model", None):
         overrides.append(f"model_dir={args.model}")

@@ -13,7 +13,7 @@ import os
 import tempfile
 
 from omniloop.actors.trace import ENV_DIR, merge_traces, summarize
-from omniloop.profile import load_profile
+from omniloop.serve.serve_cmd import profile_from_args
 
 
 def main(args: argparse.Namespace) -> int:
@@ -21,12 +21,7 @@ def main(args: argparse.Namespace) -> int:
 
     from omniloop.serve.bench import run_bench
 
-    overrides = list(args.overrides)
-    if args.model:
-        overrides.append(f"model_dir={args.model}")
-    if args.load_format:
-        overrides.append(f"load_format={args.load_format}")
-    profile = load_profile(args.profile, overrides, args.platform)
+    profile = profile_from_args(args)
     with tempfile.TemporaryDirectory(prefix="omniloop-trace-") as folder:
         os.environ[ENV_DIR] = folder  # read by every actor this process starts, spawned ones included
         try:
