@@ -15,6 +15,7 @@ CPU: ``step`` does the same work on the ``CpuRunner`` worker thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from typing import Protocol
 
@@ -30,6 +31,9 @@ from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompt
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan, ArStepResult
+
+
+_INPUT_TENSORS = ("input_ids", "instruct_ids", "ref_ids", "ref_code", "x_vector")
 
 
 class TalkerPayload(Protocol):
@@ -92,14 +96,24 @@ class TalkerSteps:
 
     def _admit(self, new: ArNew) -> None:
         payload: TalkerPayload = new.payload
-        # build_prompt copies token ids from pageable memory, which syncs the stream once per admission
-        prompt = payload.prompt if payload.prompt is not None else build_prompt(self.model, payload.inputs)
         inputs = payload.inputs
+        if payload.prompt is not None:
+            prompt = payload.prompt
+        else:
+            # ids and voice tensors go over through pinned memory: a pageable copy would wait for the step in
+            # flight, stalling the loop thread (build_prompt takes codec ids by host index, no copy at all)
+            on_device = {f: self._to_device(getattr(inputs, f)) for f in _INPUT_TENSORS if getattr(inputs, f) is not None}
+            prompt = build_prompt(self.model, dataclasses.replace(inputs, **on_device))
         self.context.pop(new.slot, None)
         if inputs.ref_code is not None:
             self.context[new.slot] = inputs.ref_code.cpu().numpy().astype(np.int64)
         self.state.reset(new.slot, prompt.embeds.to(self.model.dtype), prompt.trailing, inputs.sampling or {},
                          inputs.seed)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda" and t.device.type == "cpu":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
 
     def _prefill(self, seqs: list[ArSeq]) -> list[int]:
         """One right-padded forward over every piece. For pieces that end their prompt, the last hidden is

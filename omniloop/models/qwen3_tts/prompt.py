@@ -80,7 +80,7 @@ def _speaker_embed(model: Qwen3TtsModel, req: TtsInput) -> torch.Tensor | None:
         spk = model.cfg.talker.spk_id.get(req.speaker.lower())
         if spk is None:
             raise ValueError(f"unknown speaker {req.speaker!r}; valid: {list(model.cfg.speakers)}")
-        return model.codec_embed(torch.tensor([spk]))
+        return model.codec_rows([spk])
     return None
 
 
@@ -91,9 +91,9 @@ def _icl_body(model: Qwen3TtsModel, req: TtsInput, text_ids: torch.Tensor, eos: 
         raise ValueError("in-context cloning needs ref_ids (the reference transcript)")
     text = torch.cat((model.text_embed(torch.cat((req.ref_ids[3:-2], text_ids))), eos[None]), 0)
     ref_code = req.ref_code.to(model.device)
-    codec = torch.cat((model.codec_embed(torch.tensor([tc.codec_bos_id])), model.frame_embed(ref_code)), 0)
+    codec = torch.cat((model.codec_rows([tc.codec_bos_id]), model.frame_embed(ref_code)), 0)
     if not req.streaming_text:
-        text_part = text + model.codec_embed(torch.full((text.shape[0],), tc.codec_pad_id))
+        text_part = text + model.codec_rows([tc.codec_pad_id])
         return torch.cat((text_part, codec + pad), 0), pad[None]
     if text.shape[0] > codec.shape[0]:
         return text[: codec.shape[0]] + codec, text[codec.shape[0]:]
@@ -111,11 +111,11 @@ def build_prompt(model: Qwen3TtsModel, req: TtsInput) -> Prompt:
     lang_id = _language_id(model, req)
     prefix = ([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id] if lang_id is None
               else [tc.codec_think_id, tc.codec_think_bos_id, lang_id, tc.codec_think_eos_id])
-    codec = [model.codec_embed(torch.tensor(prefix))]
+    codec = [model.codec_rows(prefix)]
     speaker = _speaker_embed(model, req)
     if speaker is not None:
         codec.append(speaker)
-    codec.append(model.codec_embed(torch.tensor([tc.codec_pad_id, tc.codec_bos_id])))
+    codec.append(model.codec_rows([tc.codec_pad_id, tc.codec_bos_id]))
     codec_t = torch.cat(codec, 0)
     n_codec = codec_t.shape[0]
     # text side of the prefix: tts_pad under every codec entry but the last two, tts_bos under the
@@ -134,7 +134,7 @@ def build_prompt(model: Qwen3TtsModel, req: TtsInput) -> Prompt:
         trailing = torch.cat((model.text_embed(ids[4:-5]), eos[None]), 0)
     else:
         text = torch.cat((model.text_embed(text_ids), eos[None]), 0)
-        parts.append(text + model.codec_embed(torch.full((text.shape[0],), tc.codec_pad_id)))
+        parts.append(text + model.codec_rows([tc.codec_pad_id]))
         parts.append(pad[None] + codec_t[-1:])
         trailing = pad[None]
     return Prompt(embeds=torch.cat(parts, 0), trailing=trailing)

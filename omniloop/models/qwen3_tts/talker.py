@@ -97,6 +97,13 @@ class Qwen3TtsModel(nn.Module):
     def codec_embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.talker.codec_embedding(ids.to(self.device))
 
+    def codec_rows(self, ids: list[int]) -> torch.Tensor:
+        """``E_c`` of ids known on the host, ``[len(ids), H]``: rows of the table taken by Python index (views),
+        so no index tensor is copied to the device. A pageable host-to-device copy would wait for the step
+        in flight on the stream; prompts are built while one is."""
+        weight = self.talker.codec_embedding.weight
+        return torch.stack([weight[i] for i in ids])
+
     def special_embeds(self) -> torch.Tensor:
         """``[3, H]``: T(tts_bos), T(tts_eos), T(tts_pad); recomputed only when those weights change."""
         params = (self.talker.text_embedding.weight, *self.talker.text_projection.parameters())
