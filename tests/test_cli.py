@@ -31,3 +31,17 @@ def test_check_profile_error_is_clear() -> None:
     )
     assert proc.returncode == 2
     assert "colour" in proc.stderr and "qwen3_tts.yaml" in proc.stderr
+
+
+def test_log_format_json_emits_json_lines(tmp_path) -> None:
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "omniloop", "speak", "--text", "Hi.", "--speaker", "ryan", "--max-frames", "2",
+         "--platform", "cpu", "--log-format", "json", "--out", str(tmp_path / "a.wav")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    events = {r["event"] for r in records}
+    assert {"engine_ready", "engine_stopped"} <= events and all("level" in r and "timestamp" in r for r in records)
