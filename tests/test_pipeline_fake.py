@@ -170,7 +170,8 @@ async def test_garbage_and_truncated_frames_do_not_kill_a_stage():
     gen = engine.generate(SpeechRequest("a fairly long sentence to speak"), "victim")
     async for out in gen:
         if out.pcm is not None:
-            break_frames = encode(Chunk("victim", 99), {"codes": np.zeros((1, 16), np.int64)})
+            victim_id = engine._requests["victim"].wire_id  # the request's id inside the pipeline
+            break_frames = encode(Chunk(victim_id, 99), {"codes": np.zeros((1, 16), np.int64)})
             intruder.send_raw(break_frames[:-1])  # the codes buffer is missing
         if out.finish is not None:
             finish = out.finish

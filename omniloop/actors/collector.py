@@ -27,8 +27,9 @@ class Output:
 
 
 class Collector:
-    def __init__(self, req_id: str) -> None:
+    def __init__(self, req_id: str, wire_id: str | None = None) -> None:
         self.req_id = req_id
+        self.wire_id = wire_id or req_id  # the request's id inside the pipeline (see Engine._stream)
         self._pcm: list[np.ndarray] = []
         self._text: list[str] = []
         self._codes: list[np.ndarray] = []

@@ -56,7 +56,10 @@ class Engine:
         self._validator = validator_for(profile.first_stage.model)
         self._first = profile.first_stage.name
         self._last = profile.last_stage.name
-        self._requests: dict[str, Collector] = {}
+        self._requests: dict[str, Collector] = {}  # by the caller's request id
+        # The id a request has inside the pipeline, unique per submission: a caller may use an id again
+        # as soon as its request ended, while the stages may still send output of the ended one.
+        self._req_id_of: dict[str, str] = {}  # pipeline id -> caller's id
         self._outboxes: dict[str, Outbox] = {}
         self._inbox: Inbox | None = None
         self._doorway: Doorway | None = None
@@ -174,11 +177,16 @@ class Engine:
         self._check_admission()  # again: the world may have changed since generate() was called
         if req_id in self._requests:
             raise RequestError(400, f"request id {req_id!r} is already in flight")
-        collector = self._requests[req_id] = Collector(req_id)
-        self._idle.clear()
         self._num_submitted += 1
+        collector = self._requests[req_id] = Collector(req_id, f"{req_id}#{self._num_submitted}")
+        self._req_id_of[collector.wire_id] = req_id
+        self._idle.clear()
         self.tracer.begin("request", req_id)
-        self._outboxes[self._first].send(Submit(req_id, request, arrival=time.time()))
+        try:
+            self._outboxes[self._first].send(Submit(collector.wire_id, request, arrival=time.time()))
+        except Exception as exc:  # noqa: BLE001 - e.g. a field msgspec cannot encode: end it with its one Finish
+            self._end(req_id, Finish(req_id, Reason.ERROR.value, error=f"could not submit the request: {exc}",
+                                     stage="frontend"), broadcast=False)
         try:
             while True:
                 out = await collector.get()
@@ -198,11 +206,12 @@ class Engine:
         collector = self._requests.pop(req_id, None)
         if collector is None:
             return
+        self._req_id_of.pop(collector.wire_id, None)
         collector.put_finish(finish)
         self._num_finished[finish.reason] += 1
         self.tracer.end("request", req_id, reason=finish.reason, samples=collector.num_samples)
         if broadcast and not self._is_closed:
-            self._broadcast(Abort(req_id, finish.reason))
+            self._broadcast(Abort(collector.wire_id, finish.reason))
         if not self._requests:
             self._idle.set()
 
@@ -225,23 +234,27 @@ class Engine:
 
     def _handle(self, msg: Any, arrays: dict[str, np.ndarray]) -> None:
         if isinstance(msg, Chunk):
-            collector = self._requests.get(msg.req_id)
-            if collector is None:  # late output of an aborted or failed request
+            req_id = self._req_id_of.get(msg.req_id)
+            if req_id is None:  # late output of an aborted or failed request
                 return
+            collector = self._requests[req_id]
             if msg.text:
                 collector.put_text(msg.text)
             pcm = arrays.get("pcm")
             if pcm is not None:
                 if collector.num_samples == 0 and len(pcm):
-                    self.tracer.instant("first_audio", msg.req_id)
+                    self.tracer.instant("first_audio", req_id)
                 collector.put_pcm(pcm)
             codes = arrays.get("codes")
             if codes is not None:
                 collector.put_codes(codes)
         elif isinstance(msg, Finish):
             # An end anywhere but a normal stop at the last stage may leave the request in other stages.
+            req_id = self._req_id_of.get(msg.req_id)
+            if req_id is None:  # a request that already ended (or an earlier one with the same id)
+                return
             is_normal = msg.stage == self._last and msg.reason in _NORMAL_END
-            self._end(msg.req_id, msg, broadcast=not is_normal)
+            self._end(req_id, msgspec.structs.replace(msg, req_id=req_id), broadcast=not is_normal)
         elif isinstance(msg, Ready):
             if self.supervisor is not None:
                 self.supervisor.on_ready(msg)
@@ -255,9 +268,10 @@ class Engine:
 
     def _on_bad_frame(self, exc: FrameError) -> None:
         log.warning("frontend_bad_frame", error=str(exc), req_id=exc.req_id)
-        if exc.req_id is not None and exc.req_id in self._requests:
-            self._end(exc.req_id, Finish(exc.req_id, Reason.ERROR.value, error=f"undecodable output: {exc}",
-                                         stage="frontend"), broadcast=True)
+        req_id = self._req_id_of.get(exc.req_id) if exc.req_id is not None else None
+        if req_id is not None:
+            self._end(req_id, Finish(req_id, Reason.ERROR.value, error=f"undecodable output: {exc}",
+                                     stage="frontend"), broadcast=True)
 
     def _on_stage_death(self, stage: str, exitcode: int | None) -> None:
         self._is_ready = False

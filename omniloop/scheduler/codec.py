@@ -62,6 +62,9 @@ class CodecScheduler:
     # -- inputs ---------------------------------------------------------------------------------
 
     def add(self, req_id: str, submit: Any = None, arrays: dict[str, Any] | None = None) -> list[Emit]:
+        # A Submit starts a new request: an id may be used again once its earlier request ended. Every
+        # message of the earlier one (chunks, its Abort) came before this Submit on the same socket.
+        self._ended.pop(req_id, None)
         req = self._get(req_id)
         request = getattr(submit, "request", None)
         frames = getattr(request, "initial_chunk_frames", None)

@@ -59,6 +59,7 @@ class Generation:
         if not is_success(finish.reason):
             message = self.ctx.abort_message(finish.reason, finish.error)
             self.error = ApiError(_STATUS_OF_REASON.get(finish.reason, 500), message)
+            self.error.finish_reason = finish.reason  # type: ignore[attr-defined]  # for the ZMQ Finish
 
     async def close(self, count_error: bool = True) -> None:
         """Idempotent cleanup; aborts the engine request unless it finished. ``count_error=False``

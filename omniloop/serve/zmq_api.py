@@ -44,6 +44,7 @@ class ZmqStream:
     finish: Finish | None = None
     engine_id: str = ""
     task: asyncio.Task | None = None
+    is_aborted: bool = False  # the client aborted it, perhaps before its task admitted it into the engine
 
     @property
     def num_backlog_bytes(self) -> int:
@@ -98,7 +99,11 @@ class ZmqFrontend:
             elif isinstance(msg, Abort):
                 stream = self.streams.get((identity, msg.req_id))
                 if stream is not None and stream.engine_id:
+                    stream.is_aborted = True
                     self.ctx.engine.abort(stream.engine_id)  # type: ignore[union-attr]
+                    if stream.finish is not None:  # the engine was done; only audio awaiting credit was left
+                        stream.finish = Finish(stream.req_id, Reason.ABORT.value, num_frames=stream.finish.num_frames)
+                        self._flush(stream)
             else:
                 log.warning("unexpected zmq message kind from a client", type=type(msg).__name__)
 
@@ -145,8 +150,9 @@ class ZmqFrontend:
     async def _run(self, stream: ZmqStream, request: SpeechRequest | ChatRequest) -> None:
         try:
             await self._generate(stream, request)
-        except ApiError as exc:
-            stream.finish = Finish(stream.req_id, Reason.ERROR.value, error=exc.message)
+        except ApiError as exc:  # refused, or ended before its first output (abort, shutdown, stage_died...)
+            reason = getattr(exc, "finish_reason", None) or Reason.ERROR.value
+            stream.finish = Finish(stream.req_id, reason, error=exc.message)
             self._flush(stream)
         except Exception as exc:  # a bug must still end the client's stream with its one Finish
             log.exception("zmq stream failed", req_id=stream.req_id)
@@ -154,6 +160,10 @@ class ZmqFrontend:
             self._flush(stream)
 
     async def _generate(self, stream: ZmqStream, request: SpeechRequest | ChatRequest) -> None:
+        if stream.is_aborted:  # aborted before this task first ran: the engine never saw it
+            stream.finish = Finish(stream.req_id, Reason.ABORT.value)
+            self._flush(stream)
+            return
         gen = await start_generation(self.ctx, None, request, api="zmq", req_id=stream.engine_id)
         async for pcm, text in gen.outputs():
             if pcm is not None and len(pcm):
@@ -168,6 +178,8 @@ class ZmqFrontend:
 
     def _flush(self, stream: ZmqStream) -> None:
         """Send what the credit allows, merged into one Chunk; then the Finish once all PCM is out."""
+        if stream.is_aborted:  # the client wants no more audio and grants no more credit: Finish now
+            stream.backlog.clear()
         text = "".join(stream.texts) or None
         stream.texts.clear()
         arrays = {}

@@ -43,6 +43,10 @@ class CodecRunner(CpuRunner):
                 stale = self._owner.pop(seq.slot, None)
                 if stale is not None:
                     self.streams.close(stale)
+                # an id used again after an abort may still own a stream in another slot
+                for slot in [s for s, owner in self._owner.items() if owner == seq.req_id]:
+                    del self._owner[slot]
+                self.streams.close(seq.req_id)
                 self.streams.open(seq.req_id)
                 self._owner[seq.slot] = seq.req_id
         # one device-to-host copy of the whole step into pinned memory, one wait

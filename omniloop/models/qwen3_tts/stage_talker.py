@@ -89,6 +89,11 @@ class TalkerAdmission:
                 ref_pcm = load_audio(req.ref_audio, max_seconds=self.max_ref_seconds)
             except ValueError as exc:
                 raise RequestError(400, f"ref_audio: {exc}") from None
+            if len(ref_pcm) < SAMPLES_PER_FRAME:
+                # the speaker encoder's front end needs more; caught inside the batched step it would fail
+                # every request in that step
+                raise RequestError(400, f"ref_audio: {len(ref_pcm) / 24000 * 1000:.0f} ms of audio is too short; "
+                                        f"give at least {SAMPLES_PER_FRAME / 24000 * 1000:.0f} ms")
             if base.ref_ids is not None:
                 num_ref_frames = math.ceil(len(ref_pcm) / SAMPLES_PER_FRAME)
         num_prompt = prompt_length(self.cfg, base, num_ref_frames)
