@@ -170,3 +170,12 @@ def test_out_of_range_codes_fail_only_their_request() -> None:
     assert len(emits) == 1 and isinstance(emits[0].msg, Finish) and emits[0].msg.reason == "error"
     assert "2477" in emits[0].msg.error
     assert sched.num_requests == 1  # the good request is untouched
+
+
+def test_codes_of_the_wrong_width_fail_only_their_request() -> None:
+    sched = CodecScheduler(CodecConfig(max_num_seqs=4))
+    assert sched.extend("ok", Chunk("ok", 0), {"codes": np.zeros((2, 16), dtype=np.int64)}) == []
+    for name in ("codes", "context_codes"):
+        emits = sched.extend(name, Chunk(name, 0), {name: np.zeros((1, 8), dtype=np.int64)})
+        assert len(emits) == 1 and emits[0].msg.reason == "error" and "[1, 8]" in emits[0].msg.error
+    assert sched.num_requests == 1 and sched.schedule() is not None  # the good request still batches

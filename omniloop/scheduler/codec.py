@@ -40,6 +40,7 @@ class CodecConfig:
     initial_frames: int = 2  # first chunk (per-request override: SpeechRequest.initial_chunk_frames)
     frames: int = 25  # largest chunk
     codebook_size: int = 2048
+    num_codebooks: int = 16
 
     def __post_init__(self) -> None:
         if not 1 <= self.initial_frames <= self.frames <= self.max_frames_per_step:
@@ -81,16 +82,15 @@ class CodecScheduler:
             return []
         context = (arrays or {}).get("context_codes")
         if context is not None and len(context) and req.num_scheduled == 0:
-            req.context = np.asarray(context, dtype=np.int64)
+            context = np.asarray(context, dtype=np.int64)
+            if error := self._bad_codes("context_codes", context):
+                return [self._finish(req, Reason.ERROR.value, error)]
+            req.context = context
         codes = (arrays or {}).get("codes")
         if codes is not None and len(codes):
             codes = np.asarray(codes, dtype=np.int64)
-            if codes.ndim != 2:
-                return [self._finish(req, Reason.ERROR.value, f"codes must be [n, groups], got {codes.shape}")]
-            # checked here, per request: a bad code inside a batched step would fail every request in it
-            if codes.min() < 0 or codes.max() >= self.config.codebook_size:
-                return [self._finish(req, Reason.ERROR.value, f"codes must be in [0, {self.config.codebook_size}), "
-                                                              f"got [{codes.min()}, {codes.max()}]")]
+            if error := self._bad_codes("codes", codes):
+                return [self._finish(req, Reason.ERROR.value, error)]
             req.pending.append(codes)
             req.num_received += len(codes)
         if getattr(chunk, "final", False):
@@ -205,6 +205,16 @@ class CodecScheduler:
         return len(self._in_flight)
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _bad_codes(self, name: str, codes: np.ndarray) -> str | None:
+        """Checked here, per request: a malformed chunk inside a batched step would fail every request in it
+        (or, with the wrong width, the stage's batching itself)."""
+        groups = self.config.num_codebooks
+        if codes.ndim != 2 or codes.shape[1] != groups:
+            return f"{name} must be [n, {groups}], got {list(codes.shape)}"
+        if codes.min() < 0 or codes.max() >= self.config.codebook_size:
+            return f"{name} must be in [0, {self.config.codebook_size}), got [{codes.min()}, {codes.max()}]"
+        return None
 
     def _chunk_size(self, req: CodecRequest) -> int:
         """The ramp: initial_frames, doubling each step, up to ``frames``."""
