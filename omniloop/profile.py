@@ -198,7 +198,10 @@ def _parse_override(item: str) -> dict[str, Any]:
     key, sep, text = item.partition("=")
     if not sep or not key:
         raise ProfileError(f"--set {item!r}: expected key.path=value")
-    value = yaml.safe_load(text) if text else None
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"--set {item!r}: the value is not valid YAML: {exc}") from None
     for part in reversed(key.split(".")):
         if not part:
             raise ProfileError(f"--set {item!r}: empty key segment")

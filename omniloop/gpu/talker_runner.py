@@ -54,6 +54,9 @@ class TalkerSteps:
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
         # a voice clone's reference frames, sent with its first frame so the codec primes its state
         self.context: dict[int, np.ndarray] = {}
+        # slot -> why its request could not be admitted; its later pieces (already planned: async overlap)
+        # are skipped and reported, until a new request takes the slot
+        self.failed: dict[int, str] = {}
 
     def _h2d(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
         """``array`` on the device (into ``out`` if given). On CUDA through pinned memory: the caching
@@ -66,17 +69,29 @@ class TalkerSteps:
         return t.to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def run(self, plan: ArStepPlan) -> tuple[torch.Tensor, dict[int, dict[str, np.ndarray]] | None]:
-        """Codes int64 ``[len(plan.seqs), 16]`` on the device (rows of seqs that did not sample are 0), and
-        the arrays to attach to some rows' chunks (``ArStepResult.extras``)."""
+    def run(self, plan: ArStepPlan) -> tuple[torch.Tensor, dict[int, dict[str, np.ndarray]] | None,
+                                             dict[int, str] | None]:
+        """Codes int64 ``[len(plan.seqs), 16]`` on the device (rows of seqs that did not sample are 0), the
+        arrays to attach to some rows' chunks (``ArStepResult.extras``), and the rows whose request could
+        not be admitted (``ArStepResult.errors``): a request-scoped failure must not fail the whole step."""
         for new in plan.new:
-            self._admit(new)
+            self.failed.pop(new.slot, None)
+            try:
+                self._admit(new)
+            except Exception as exc:  # noqa: BLE001 - e.g. the voice encoder on this request's reference audio
+                self.state.prompts.pop(new.slot, None)
+                self.context.pop(new.slot, None)
+                self.failed[new.slot] = f"{type(exc).__name__}: {exc}"
+        errors = None
+        if self.failed:
+            errors = {i: self.failed[seq.slot] for i, seq in enumerate(plan.seqs) if seq.slot in self.failed} or None
         extras = None
         if self.context:
             extras = {i: {"context_codes": self.context.pop(seq.slot)} for i, seq in enumerate(plan.seqs)
                       if seq.is_sample and seq.slot in self.context} or None
-        prefill = [i for i, seq in enumerate(plan.seqs) if not seq.is_decode]
-        decode = [i for i, seq in enumerate(plan.seqs) if seq.is_decode]
+        live = [i for i in range(len(plan.seqs)) if not errors or i not in errors]
+        prefill = [i for i in live if not plan.seqs[i].is_decode]
+        decode = [i for i in live if plan.seqs[i].is_decode]
         fresh: list[int] = []  # seqs whose prefill ends their prompt: first frame sampled in the frame step
         if prefill:
             fresh = [prefill[i] for i in self._prefill([plan.seqs[i] for i in prefill])]
@@ -90,9 +105,9 @@ class TalkerSteps:
             parts.append(codes)
             offset += codes.shape[0]
         parts.append(torch.zeros(1, 16, dtype=torch.int64, device=self.device))
-        unsampled = [i for i, seq in enumerate(plan.seqs) if not seq.is_sample]
+        unsampled = [i for i, seq in enumerate(plan.seqs) if not seq.is_sample or (errors and i in errors)]
         index[unsampled] = offset
-        return torch.cat(parts)[self._h2d(index)], extras
+        return torch.cat(parts)[self._h2d(index)], extras, errors
 
     def _admit(self, new: ArNew) -> None:
         payload: TalkerPayload = new.payload
@@ -176,13 +191,15 @@ class TalkerSteps:
         return state.decode_frame(num_rows, kv_len)
 
 
-def _result(codes: np.ndarray, eos: int, extras: dict[int, dict[str, np.ndarray]] | None) -> ArStepResult:
-    return ArStepResult(codes=codes, is_stop=codes[:, 0] == eos, extras=extras)
+def _result(codes: np.ndarray, eos: int, extras: dict[int, dict[str, np.ndarray]] | None,
+            errors: dict[int, str] | None) -> ArStepResult:
+    return ArStepResult(codes=codes, is_stop=codes[:, 0] == eos, extras=extras, errors=errors)
 
 
-def _finalize(host: torch.Tensor, eos: int, extras: dict[int, dict[str, np.ndarray]] | None) -> ArStepResult:
+def _finalize(host: torch.Tensor, eos: int, extras: dict[int, dict[str, np.ndarray]] | None,
+              errors: dict[int, str] | None) -> ArStepResult:
     """On the observer thread, after the step's event: an owned copy, so the pinned block can be recycled."""
-    return _result(host.numpy().copy(), eos, extras)
+    return _result(host.numpy().copy(), eos, extras, errors)
 
 
 class CpuTalkerRunner(CpuRunner):
@@ -194,8 +211,8 @@ class CpuTalkerRunner(CpuRunner):
     def step(self, plan: ArStepPlan) -> ArStepResult:
         if self.steps is None:
             raise RuntimeError("CpuTalkerRunner is closed")
-        codes, extras = self.steps.run(plan)
-        return _result(codes.numpy(), self.steps.eos, extras)
+        codes, extras, errors = self.steps.run(plan)
+        return _result(codes.numpy(), self.steps.eos, extras, errors)
 
     def close(self) -> None:
         super().close()
@@ -224,7 +241,7 @@ class CudaTalkerRunner(Runner):
             raise RuntimeError("CudaTalkerRunner is closed")
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                codes, extras = self.steps.run(plan)
+                codes, extras, errors = self.steps.run(plan)
                 host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
                 host.copy_(codes, non_blocking=True)
                 event = torch.cuda.Event(blocking=True)  # the observer sleeps on it instead of spinning
@@ -233,7 +250,7 @@ class CudaTalkerRunner(Runner):
             future = self.doorway.loop.create_future()
             future.set_exception(exc)
             return future
-        return self._observer.submit(event, functools.partial(_finalize, host, self.steps.eos, extras))
+        return self._observer.submit(event, functools.partial(_finalize, host, self.steps.eos, extras, errors))
 
     def close(self) -> None:
         super().close()

@@ -167,8 +167,14 @@ class ArScheduler:
         emits: list[Emit] = []
         now = self._clock()
         for i, (seq, req) in enumerate(zip(plan.seqs, self._in_flight.pop(plan.step_id, ()))):
-            if not seq.is_sample or req.is_finished:
+            if req.is_finished:
                 continue  # a finished request's later output is fenced off here
+            if result.errors and i in result.errors:
+                message = f"stage {self.config.stage!r} could not run this request: {result.errors[i]}"
+                emits.append(self._finish(req, Reason.ERROR.value, message))
+                continue
+            if not seq.is_sample:
+                continue
             if result.is_stop[i]:
                 emits.append(self._chunk(req, None, Reason.STOP.value))
                 self._release(req)

@@ -68,6 +68,9 @@ class ArStepResult:
     # arrays the runner attaches to a row's chunk (e.g. a voice clone's ``context_codes`` on its first
     # frame, so the codec primes its state with the reference frames); keyed by row index
     extras: dict[int, dict[str, np.ndarray]] | None = None
+    # rows whose request failed in the runner (e.g. its slot could not be set up): that request alone
+    # ends with reason "error" and this message; keyed by row index
+    errors: dict[int, str] | None = None
 
 
 @dataclass(slots=True)

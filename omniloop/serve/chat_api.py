@@ -19,13 +19,13 @@ from typing import Any, AsyncIterator, Literal
 import msgspec
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from omniloop.serve.api_errors import ApiError
 from omniloop.serve.audio_format import SUPPORTED, encode_file, to_s16le
 from omniloop.serve.context import ServeContext
 from omniloop.serve.engine_api import supports_chat
-from omniloop.serve.generation import Generation, start_generation
+from omniloop.serve.generation import Generation, GenerationStream, start_generation
 from omniloop.serve.request_body import decode_body
 from omniloop.transport.messages import ChatRequest, Sampling
 
@@ -131,8 +131,8 @@ async def create_chat(ctx: ServeContext, request: Request, raw: bytes) -> Respon
     gen = await start_generation(ctx, request, plan.request, api="chat")
     assembler = ChatAssembler(ctx.model_name, plan.request.want_audio)
     if plan.stream:
-        return StreamingResponse(assembler.stream(gen), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": gen.req_id})
+        return GenerationStream(gen, assembler.stream(gen), media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Request-Id": gen.req_id})
     return JSONResponse(await assembler.whole(gen, plan.audio_format))
 
 
@@ -151,7 +151,7 @@ class ChatAssembler:
     async def whole(self, gen: Generation, fmt: str) -> dict:
         texts: list[str] = []
         pieces: list[np.ndarray] = []
-        async for pcm, text in gen.outputs():
+        async for pcm, text in gen.outputs(count_error=False):  # a failure is raised: the app's handler counts it
             if text:
                 texts.append(text)
             if pcm is not None and len(pcm):

@@ -14,6 +14,8 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from omniloop.errors import RequestError
 from omniloop.serve.api_errors import ApiError
@@ -38,7 +40,9 @@ class Generation:
         self.num_frames = 0
         self.error: ApiError | None = None
 
-    async def outputs(self) -> AsyncIterator[tuple[np.ndarray | None, str | None]]:
+    async def outputs(self, count_error: bool = True) -> AsyncIterator[tuple[np.ndarray | None, str | None]]:
+        """``count_error=False`` when the caller turns a failure into an HTTP error response (whole
+        files), which the app's error handler counts; see ``close``."""
         try:
             out = self._first
             while True:
@@ -51,7 +55,7 @@ class Generation:
                     return
                 out = await anext(self._it)
         finally:
-            await self.close()
+            await self.close(count_error)
 
     def _on_finish(self, finish: Any) -> None:
         self.finish_reason = finish.reason
@@ -77,6 +81,21 @@ class Generation:
         self.ctx.release(self.req_id)
         with contextlib.suppress(Exception):
             await self._it.aclose()  # type: ignore[attr-defined]
+
+
+class GenerationStream(StreamingResponse):
+    """A streaming response that frees its Generation however the response ends: a client gone
+    before the first body byte means the body iterator never runs, so its ``finally`` never would."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.gen.close()
 
 
 async def start_generation(ctx: ServeContext, request: Request | None, req: SpeechRequest | ChatRequest,

@@ -155,6 +155,7 @@ class RequestTracker:
         self.first_audio: float | None = None
         self.num_samples = 0
         self.has_underrun = False
+        self.stalled = 0.0  # seconds the player has been dry so far: it resumes when audio arrives
         self.done = False
         metrics.num_running += 1
 
@@ -166,10 +167,12 @@ class RequestTracker:
             self.first_audio = now
             self.metrics.ttfa.observe(now - self.arrival)
         else:
-            # A real-time player that started at first audio has played (now - first_audio) seconds;
-            # if that exceeds what it was given, it ran dry before this chunk arrived.
-            gap = (now - self.first_audio) - self.num_samples / SAMPLE_RATE
+            # A real-time player that started at first audio and paused while dry has played
+            # (now - first_audio - stalled) seconds; if that exceeds what it was given, it ran dry
+            # before this chunk arrived, and resumes with it.
+            gap = (now - self.first_audio - self.stalled) - self.num_samples / SAMPLE_RATE
             if gap > 0:
+                self.stalled += gap
                 self.metrics.underrun_gap.inc(gap)
                 if not self.has_underrun:
                     self.has_underrun = True

@@ -16,13 +16,13 @@ from typing import AsyncIterator
 import msgspec
 import numpy as np
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from omniloop.log import get_logger
 from omniloop.serve.api_errors import ApiError
 from omniloop.serve.audio_format import CONTENT_TYPE, STREAMABLE, SUPPORTED, encode_file, to_s16le, wav_stream_header
 from omniloop.serve.context import ServeContext
-from omniloop.serve.generation import Generation, StreamBroken, start_generation
+from omniloop.serve.generation import Generation, GenerationStream, StreamBroken, start_generation
 from omniloop.serve.request_body import decode_body
 from omniloop.transport.messages import Sampling, SpeechRequest
 
@@ -169,12 +169,12 @@ async def create_speech(ctx: ServeContext, request: Request, raw: bytes) -> Resp
     body = _sse_events(ctx, gen, plan.response_format) if plan.mode == "sse" else _raw_stream(ctx, gen, plan.response_format)
     media = "text/event-stream" if plan.mode == "sse" else CONTENT_TYPE[plan.response_format]
     headers = {"Cache-Control": "no-cache", "X-Request-Id": gen.req_id}
-    return StreamingResponse(body, media_type=media, headers=headers)
+    return GenerationStream(gen, body, media_type=media, headers=headers)
 
 
 async def _whole_file(ctx: ServeContext, gen: Generation, fmt: str) -> Response:
     pieces: list[np.ndarray] = []
-    async for pcm, _ in gen.outputs():
+    async for pcm, _ in gen.outputs(count_error=False):  # a failure is raised: the app's handler counts it
         if pcm is not None:
             pieces.append(pcm)
     if gen.error is not None:
