@@ -10,6 +10,7 @@ views over the received buffers. Nothing here pickles, and every malformed input
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +42,7 @@ ALLOWED_DTYPES = frozenset(
         "complex64",
     }
 )
+_MAX_NDIM = 32  # numpy's limit is 32 (1.x) or 64 (2.x); no omniloop array has more than a few
 _NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
 
 _encoder = msgspec.msgpack.Encoder()
@@ -121,15 +123,21 @@ def _array(name: str, meta: TensorMeta, frame: Any, req_id: str | None) -> np.nd
         raise FrameError(f"array {name!r} has dtype {meta.dtype!r}, not in the allowlist", req_id)
     if any(d < 0 for d in meta.shape):
         raise FrameError(f"array {name!r} has negative shape {meta.shape}", req_id)
+    if len(meta.shape) > _MAX_NDIM:
+        raise FrameError(f"array {name!r} has {len(meta.shape)} dimensions, at most {_MAX_NDIM} allowed", req_id)
     dtype = np.dtype(meta.dtype)
     buffer = _as_buffer(frame)
-    expected = int(np.prod(meta.shape, dtype=np.int64)) * dtype.itemsize
+    # Python ints: an int64 product would wrap for hostile shapes and match an empty frame.
+    expected = math.prod(meta.shape) * dtype.itemsize
     if buffer.nbytes != expected:
         raise FrameError(
             f"array {name!r} {meta.dtype}{list(meta.shape)} needs {expected} bytes, frame has {buffer.nbytes}",
             req_id,
         )
-    return np.frombuffer(buffer, dtype=dtype).reshape(meta.shape)
+    try:
+        return np.frombuffer(buffer, dtype=dtype).reshape(meta.shape)
+    except ValueError as exc:  # e.g. a zero-size array whose other dims overflow numpy's intp
+        raise FrameError(f"array {name!r} {meta.dtype}{list(meta.shape)}: {exc}", req_id) from None
 
 
 def _as_buffer(frame: Any) -> memoryview:

@@ -8,14 +8,13 @@ expected tensor must be present with the expected shape, and no unknown key may 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from omniloop.models.qwen3_tts.config import ConfigError, TtsConfig, load_tts_config
+from omniloop.models.qwen3_tts.config import ConfigError, TtsConfig, _read_json, load_tts_config
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 
 # released prefix -> ours; the first match wins, so longer prefixes come first
@@ -40,10 +39,9 @@ def released_to_ours(key: str) -> str | None:
 def _shard_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ConfigError(f"{index}: weight_map is missing")
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ConfigError(f"{index}: weight_map is missing or not a map of tensor name -> file name")
         files = sorted({model_dir / name for name in weight_map.values()})
     else:
         files = [model_dir / "model.safetensors"]
@@ -61,7 +59,11 @@ def load_tts_weights(model_dir: str | Path, device: torch.device | str = "cpu",
     speaker: dict[str, torch.Tensor] = {}
     unknown: list[str] = []
     for f in _shard_files(model_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
+        try:
+            fh = safe_open(str(f), framework="pt", device="cpu")
+        except (SafetensorError, OSError) as e:  # truncated/corrupt header: name the file
+            raise ConfigError(f"{f}: not a readable safetensors file ({e})") from None
+        with fh:
             for key in fh.keys():
                 if key.startswith(SPEAKER_PREFIX):
                     speaker[key[len(SPEAKER_PREFIX):]] = fh.get_tensor(key).to(device)

@@ -148,8 +148,8 @@ def _rope(f: _Fields) -> tuple[float, tuple[int, ...] | None, bool]:
     source = params if params is not None else scaling
     key = "rope_parameters" if params is not None else "rope_scaling"
     theta = f.get("rope_theta", float, None)
-    if theta is None and source is not None and "rope_theta" in source:
-        theta = float(source["rope_theta"])
+    if theta is None and source is not None and source.get("rope_theta") is not None:
+        theta = _Fields(source, f.file, f"{f.prefix}{key}.").get("rope_theta", float)
     if theta is None:
         raise ConfigError(f"{f.where('rope_theta')} is missing (nor in rope_parameters)")
     section, interleaved = None, False
@@ -169,6 +169,9 @@ def _decoder(f: _Fields) -> DecoderConfig:
     hidden = f.get("hidden_size", int)
     heads = f.get("num_attention_heads", int)
     kv = f.get("num_key_value_heads", int, heads)
+    for key, value in (("hidden_size", hidden), ("num_attention_heads", heads), ("num_key_value_heads", kv)):
+        if value < 1:
+            raise ConfigError(f"{f.where(key)}={value} must be >= 1")
     head_dim = f.get("head_dim", int, hidden // heads)
     if heads % kv:
         raise ConfigError(f"{f.where('num_key_value_heads')}={kv} does not divide num_attention_heads={heads}")
@@ -285,6 +288,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: file not found") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not UTF-8 text
+        raise ConfigError(f"{path}: cannot read ({e})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be an object")
     return data

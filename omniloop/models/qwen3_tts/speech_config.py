@@ -206,6 +206,8 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:  # no permission, not UTF-8 text
+        raise ValueError(f"{path} cannot be read: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -193,8 +195,10 @@ def ensure_tiny_checkpoint(variant: str = "custom_voice", cache_dir: Path | None
     out = (cache_dir or default_cache_dir()) / f"{size}-qwen3-tts-{variant}-v{TINY_VERSION}-{digest}"
     if (out / "tokenizer.json").is_file():
         return out
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    (tmp / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
+    # Unique per call: two threads of one process (thread-placed stages) must not share a temp dir.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    (tmp / "speech_tokenizer").mkdir()
     for name, content in files.items():
         (tmp / name).write_text(json.dumps(content, indent=2))
     tok.save(str(tmp / "tokenizer.json"))
@@ -204,8 +208,8 @@ def ensure_tiny_checkpoint(variant: str = "custom_voice", cache_dir: Path | None
     }, indent=2))
     try:
         os.replace(tmp, out)
-    except OSError:  # another process won the race: use its copy
-        import shutil
-
+    except OSError as exc:  # another thread or process won the race: use its copy
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "tokenizer.json").is_file():
+            raise OSError(f"cannot create the tiny checkpoint layout at {out}: {exc}") from exc
     return out
