@@ -26,7 +26,7 @@ from omniloop.scheduler.interface import Emit
 from omniloop.scheduler.kv_blocks import BlockPool
 from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan, ArStepResult
 from omniloop.scheduler.policy import Playback, by_deadline
-from omniloop.scheduler.request import ArPrompt, ArRequest, ArState
+from omniloop.scheduler.request import ArPrompt, ArRequest, ArState, fail_requests
 from omniloop.scheduler.slots import SlotPool
 from omniloop.transport.messages import Chunk, Finish, Reason, Submit
 
@@ -195,12 +195,7 @@ class ArScheduler:
         return emits
 
     def fail(self, plan: ArStepPlan, error: BaseException) -> list[Emit]:
-        emits = []
-        for req in self._in_flight.pop(plan.step_id, ()):
-            if not req.is_finished:
-                message = f"stage {self.config.stage!r} step failed: {type(error).__name__}: {error}"
-                emits.append(self._finish(req, Reason.ERROR.value, message))
-        return emits
+        return fail_requests(self._in_flight.pop(plan.step_id, ()), self.config.stage, error, self._finish)
 
     # -- introspection --------------------------------------------------------------------------
 

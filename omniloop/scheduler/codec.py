@@ -23,7 +23,7 @@ import numpy as np
 from omniloop.scheduler.interface import Emit
 from omniloop.scheduler.plan import CodecSeq, CodecStepPlan, CodecStepResult
 from omniloop.scheduler.policy import FRAME_S, Playback, by_deadline
-from omniloop.scheduler.request import CodecRequest
+from omniloop.scheduler.request import CodecRequest, fail_requests
 from omniloop.scheduler.slots import SlotPool
 from omniloop.transport.messages import Chunk, Finish, Reason
 
@@ -174,12 +174,7 @@ class CodecScheduler:
         return emits
 
     def fail(self, plan: CodecStepPlan, error: BaseException) -> list[Emit]:
-        emits = []
-        for req in self._in_flight.pop(plan.step_id, ()):
-            if not req.is_finished:
-                message = f"stage {self.config.stage!r} step failed: {type(error).__name__}: {error}"
-                emits.append(self._finish(req, Reason.ERROR.value, message))
-        return emits
+        return fail_requests(self._in_flight.pop(plan.step_id, ()), self.config.stage, error, self._finish)
 
     # -- introspection --------------------------------------------------------------------------
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from omniloop.scheduler.policy import Playback
+from omniloop.transport.messages import Reason
 
 
 class ArState(enum.Enum):
@@ -121,3 +123,10 @@ class CodecRequest:
                 need = 0
         self.num_scheduled += num_frames
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def fail_requests(reqs: Iterable[ArRequest | CodecRequest], stage: str, error: BaseException,
+                  finish: Callable[[Any, str, str | None], Any]) -> list[Any]:
+    """A step raised: every request of it still alive ends with reason error and the step's error."""
+    message = f"stage {stage!r} step failed: {type(error).__name__}: {error}"
+    return [finish(req, Reason.ERROR.value, message) for req in reqs if not req.is_finished]
