@@ -52,6 +52,7 @@ class Chunking(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     initial_frames: int = 2  # first codec chunk, frames (small: first audio leaves early)
     frames: int = 25  # later codec chunks, frames
     max_codec_frames: int | None = None  # hard limit; reaching it ends the request with codec_limit
+    urgent_s: float = 0.4  # a client with less audio buffered gets whatever frames there are, not a full chunk
 
 
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -272,5 +273,7 @@ def _check_semantics(p: Profile, path: Path) -> None:
         fail("chunking.initial_frames and chunking.frames must be >= 1")
     if c.max_codec_frames is not None and c.max_codec_frames < 1:
         fail("chunking.max_codec_frames must be >= 1 when set")
+    if not c.urgent_s >= 0:
+        fail(f"chunking.urgent_s must be >= 0 seconds, got {c.urgent_s}")
     if p.max_pending < 1 or p.max_text_chars < 1:
         fail("max_pending and max_text_chars must be >= 1")

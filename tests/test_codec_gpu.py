@@ -107,3 +107,21 @@ def test_fused_snake_equals_torch_ops(dtype: torch.dtype, tol: float) -> None:
     assert (fused.float() - want).abs().max() / want.abs().max() < tol
     assert (buf[..., 6:].float() - want[..., 1:]).abs().max() / want.abs().max() < tol
     assert buf[..., :6].abs().max() == 0
+
+
+def test_warmed_up_streams_split_large_steps_instead_of_capturing() -> None:
+    """After ``warmup(limit)`` a step larger than any captured graph (here 6 rows x 4 frames > 8) is run as
+    several captured replays: no capture while serving, and the PCM equals the eager step's."""
+    dec = _decoder(torch.float32)
+    rng = np.random.default_rng(1)
+    codes = {f"r{i}": rng.integers(0, 2048, (8, 16), dtype=np.int64) for i in range(6)}
+    sizes = {r: [4] for r in codes}
+    graphs = CodecStreams(dec, max_streams=8, initial_slots=8, graphs=True)
+    num = graphs.warmup(8)
+    assert num > 0 and (8, 4) not in graphs._graphs.graphs and graphs._graphs.max_rows(4) == 2
+    got = _stream_all(graphs, codes, sizes)
+    assert graphs.num_graphs == num  # nothing captured after warm-up
+    want = _stream_all(CodecStreams(dec, max_streams=8, initial_slots=8, graphs=False), codes, sizes)
+    for r in codes:
+        assert got[r].shape == want[r].shape == (8 * SPF,)
+        assert _rel(got[r], want[r]) < 1e-4

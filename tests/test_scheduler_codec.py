@@ -46,15 +46,27 @@ def sizes(plan: CodecStepPlan) -> list[tuple[str, int]]:
     return [(seq.req_id, seq.end - seq.start) for seq in plan.seqs]
 
 
-def test_first_chunk_is_one_frame_when_idle_and_initial_frames_when_busy():
-    sched = make(initial_frames=2)
+def test_dry_clients_go_with_what_there_is_and_buffered_ones_wait_for_a_full_chunk():
+    clock = Clock()
+    sched = make(clock, initial_frames=2, urgent_s=0.4)
     send(sched, "a", 0, 1)
     first = sched.schedule()
-    assert sizes(first) == [("a", 1)] and first.seqs[0].is_first
-    send(sched, "b", 0, 1)
-    assert sched.schedule() is None  # busy (a's step in flight): b waits for its 2 initial frames
-    send(sched, "b", 1, 1)
+    assert sizes(first) == [("a", 1)] and first.seqs[0].is_first  # no audio yet: dry, go at once
+    sched.update(first, decode(first))
+    send(sched, "a", 1, 5)
+    assert sizes(sched.schedule()) == [("a", 4)]  # 80 ms buffered < 0.4 s: urgent, up to its next chunk size (4)
+    sched = make(clock, initial_frames=2, frames=8, urgent_s=0.4)
+    send(sched, "b", 0, 8)
+    plan = sched.schedule()
+    assert sizes(plan) == [("b", 2)]
+    sched.update(plan, decode(plan))
+    plan = sched.schedule()
+    assert sizes(plan) == [("b", 4)]
+    sched.update(plan, decode(plan))  # 6 frames = 0.48 s buffered at the same instant: not urgent
+    assert sched.schedule() is None  # 2 frames wait for a full chunk of 8
+    clock.now += 0.1  # 0.38 s left in the client's buffer: urgent again
     assert sizes(sched.schedule()) == [("b", 2)]
+
 
 
 def test_chunks_ramp_up_then_flush_everything_once():

@@ -73,3 +73,35 @@ def test_bf16_graphs_are_deterministic_and_track_eager() -> None:
         assert torch.equal(one[job.req_id][0], eager[job.req_id][0])
         same = (one[job.req_id] == eager[job.req_id]).all(1).float().mean().item()
         print(f"bf16 {job.req_id}: {same:.0%} of frames equal to eager")
+
+
+def test_plans_never_synchronize_the_host() -> None:
+    """Admission (prompt building, slot reset), prefill and decode plans enqueue work without waiting for
+    the device: any host sync would stall the loop thread behind the step in flight. A scalar written into
+    a device tensor (``t[slot] = x``) is such a sync; this catches it (sync debug mode raises)."""
+    from omniloop.gpu.talker_runner import TalkerSteps
+    from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan
+    from tests.test_talker_runner import Payload
+
+    model = _cuda_model(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        steps = TalkerSteps(model, torch.device("cuda"), 8, MAX_LEN, BUCKETS, stream)
+    stream.synchronize()
+    inputs = [_input("A request that must not sync.", 4, SEEDED, seed=3), _input("Greedy one.", 4)]
+    lens = [_prompt_len(i) for i in inputs]
+    admit = ArStepPlan(0, [ArSeq(f"r{i}", 2 * i, 0, n, True, False) for i, n in enumerate(lens)],
+                       [ArNew(f"r{i}", 2 * i, Payload(inp)) for i, inp in enumerate(inputs)])
+    decode = ArStepPlan(1, [ArSeq(f"r{i}", 2 * i, n, 1, True, True) for i, n in enumerate(lens)])
+    try:
+        with torch.cuda.stream(stream):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outs = [steps.run(plan) for plan in (admit, decode)]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        stream.synchronize()
+        for codes, _, errors in outs:
+            assert errors is None and codes.shape == (2, 16)
+    finally:
+        model.cache = None

@@ -119,6 +119,9 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="BxL, e.g. 64x8")
     ap.add_argument("--convs", action="store_true")
     ap.add_argument("--json", default="")
+    ap.add_argument("--warmup", type=int, nargs="*",
+                    help="only: capture every graph bucket up to rows x frames <= N (each N in a fresh pool), "
+                         "reporting graphs, seconds and reserved GiB")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.backends.cudnn.benchmark = not args.cudnn_heuristics
@@ -129,6 +132,26 @@ def main() -> None:
     print(f"omniloop from {omniloop.__file__}; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"{args.dtype}, eager={args.eager}, cudnn.benchmark={not args.cudnn_heuristics}")
     rows = []
+    if args.warmup:
+        for limit in args.warmup:
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_reserved()
+            streams = build_streams(tok.decoder, max(args.batches), args.eager)
+            t = time.perf_counter()
+            num = streams.warmup(limit)
+            torch.cuda.synchronize()
+            row = dict(rows_x_frames=limit, graphs=num, seconds=round(time.perf_counter() - t, 1),
+                       reserved_gib=round((torch.cuda.memory_reserved() - base) / 2**30, 2))
+            for b, f in ((64, 1), (64, 4), (64, 8), (32, 8), (64, 16), (64, 25)):
+                if b <= max(args.batches):
+                    row[f"{b}x{f}_ms"] = round(time_steps(streams, b, f, args.steps), 2)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del streams
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return
     for num in args.batches:
         streams = build_streams(tok.decoder, num, args.eager)
         for frames in args.chunks:

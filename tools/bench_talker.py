@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omniloop.gpu.cuda_graphs import FrameGraphs
+from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets
 from omniloop.gpu.kv_budget import module_bytes
 from omniloop.gpu.talker_runner import TalkerRunner
 from omniloop.models.qwen3_tts import layers
@@ -214,6 +214,60 @@ def bench_sampling(batch: list[int]) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def bench_prefill(model: Qwen3TtsModel, shapes: list[str]) -> list[dict]:
+    """Prefill steps as the runner runs them (``TalkerSteps.run`` of a plan that admits B requests with
+    L-token prompts and prefills them whole, the first frame sampled in the frame step): ms per plan, and
+    torch.profiler's top CPU and CUDA ops of one plan."""
+    from omniloop.gpu.talker_runner import TalkerSteps
+
+    h = model.cfg.talker.decoder.hidden_size
+    rows = []
+    max_b = max(int(s.split("x")[0]) for s in shapes)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        steps = TalkerSteps(model, torch.device("cuda"), max_b, 4096, (tuple(batch_buckets(max_b)), (256, 4096)),
+                            stream)
+        for shape in shapes:
+            b, n = (int(v) for v in shape.split("x"))
+
+            def plan(k: int, b=b, n=n) -> ArStepPlan:
+                new, seqs = [], []
+                for slot in range(b):
+                    prompt = Prompt(embeds=torch.randn(n, h, device="cuda", dtype=model.dtype),
+                                    trailing=torch.randn(4, h, device="cuda", dtype=model.dtype))
+                    inputs = TtsInput(task="base", input_ids=torch.zeros(9, dtype=torch.int64), sampling=SAMPLED,
+                                      seed=slot)
+                    new.append(ArNew(f"r{slot}", slot, _Payload(inputs, prompt)))
+                    seqs.append(ArSeq(f"r{slot}", slot, 0, n, True, False))
+                return ArStepPlan(k, seqs, new)
+
+            def run(k: int = 0) -> None:
+                steps.run(plan(k))
+                stream.synchronize()
+
+            for k in range(3):
+                run(k)
+            t0 = time.perf_counter()
+            for k in range(5):
+                run(k)
+            ms = (time.perf_counter() - t0) / 5 * 1e3
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run()
+            table = prof.key_averages()
+            top_cuda = sorted(table, key=lambda e: -e.device_time_total)[:12]
+            top_cpu = sorted(table, key=lambda e: -e.self_cpu_time_total)[:12]
+            row = dict(batch=b, tokens=n, plan_ms=ms,
+                       cuda_total_ms=sum(e.self_device_time_total for e in table) / 1e3,
+                       top_cuda=[(e.key[:60], e.count, round(e.device_time_total / 1e3, 2)) for e in top_cuda],
+                       top_cpu=[(e.key[:60], e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in top_cpu])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    model.cache = None
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -223,6 +277,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="only the torch.compile experiment")
     parser.add_argument("--sampling", action="store_true", help="only the sampling cost breakdown")
     parser.add_argument("--no-fused-norm-rope", action="store_true", help="torch q/k norm + rope on CUDA")
+    parser.add_argument("--prefill", nargs="*", help="only prefill plans of BxL, e.g. 1x120 36x120")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_fused_norm_rope:
@@ -236,8 +291,11 @@ def main() -> None:
                 p.normal_(0.0, 0.02)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"fused norm+rope {layers.FUSED_NORM_ROPE}, talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
-    if args.compile or args.sampling:
-        rows = bench_compiled_cp(model, args.batch) if args.compile else bench_sampling(args.batch)
+    if args.compile or args.sampling or args.prefill:
+        if args.prefill:
+            rows = bench_prefill(model, args.prefill)
+        else:
+            rows = bench_compiled_cp(model, args.batch) if args.compile else bench_sampling(args.batch)
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump(rows, fh, indent=1)

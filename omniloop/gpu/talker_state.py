@@ -63,7 +63,8 @@ class TalkerState:
         return self.cache.max_len
 
     def reset(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor, sampling: dict, seed: int) -> None:
-        """Start ``slot`` over for a new request. Only fills and device copies: no host sync."""
+        """Start ``slot`` over for a new request. Only fills and device copies: no host sync (``t[slot] = x``
+        would be a pageable host-to-device copy, which waits for the step in flight)."""
         if trailing.shape[0] > self.cache.trailing.shape[1]:
             # growing would move the buffer that captured graphs read
             raise ValueError(f"trailing text of {trailing.shape[0]} positions exceeds the runner's "
@@ -71,8 +72,8 @@ class TalkerState:
         self.model.set_trailing(slot, trailing)  # also clears the code-0 history
         row = {**GREEDY, **sampling, "seed": seed}
         for f in fields(SamplingParams):
-            getattr(self.params, f.name)[slot] = row[f.name]
-        self.step[slot] = 0
+            getattr(self.params, f.name)[slot:slot + 1].fill_(row[f.name])
+        self.step[slot:slot + 1].fill_(0)
         self.prompts[slot] = embeds
 
     def frame_tail(self, hidden: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

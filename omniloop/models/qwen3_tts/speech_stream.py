@@ -155,8 +155,14 @@ class CodecStreams:
         groups: dict[int, list[int]] = {}
         for i, n in enumerate(lens):
             groups.setdefault(self._graphs.bucket(1, max(n, 1))[1] if self._graphs is not None else 0, []).append(i)
+        batches = []
+        for frames, rows in sorted(groups.items()):
+            # after warm-up, a group too large for any captured graph is split into captured ones: capturing a
+            # new shape mid-serving stalls the stage for hundreds of ms (cuDNN timing, capture)
+            most = self._graphs.max_rows(frames) if self._graphs is not None else 0
+            batches += [rows[i:i + most] for i in range(0, len(rows), most)] if most else [rows]
         copies: list[tuple[list[int], Tensor]] = []
-        for _, rows in sorted(groups.items()):
+        for rows in batches:
             pcm = self._step([chunks[i] for i in rows], [lens[i] for i in rows])[:len(rows)]
             if pcm.device.type != "cpu":
                 host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
@@ -257,6 +263,10 @@ class _StepGraphs:
         self.streams, self.batch = streams, batch
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        # one side stream for every warm-up and capture: the caching allocator keeps freed blocks per stream, so
+        # a fresh stream per capture would strand each warm-up's activations in a cache no other stream reuses
+        self._stream = torch.cuda.Stream(streams.device)
+        self.limit = 0  # rows * frames captured up front by ``capture_all`` (0: none, capture on first use)
 
     def bucket(self, num_rows: int, frames: int) -> tuple[int, int]:
         """The padded shape of a step. Chunks longer than the largest frame bucket (a clone's reference
@@ -268,10 +278,11 @@ class _StepGraphs:
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.limit = 0
 
     def capture_all(self, max_rows_x_frames: int) -> int:
-        """Capture the (batch, frames) buckets up to ``rows * frames <= max_rows_x_frames`` now, so the common
-        steps never stall on a capture while serving (larger ones are captured on first use)."""
+        """Capture the (batch, frames) buckets up to ``rows * frames <= max_rows_x_frames`` now, so steps never
+        stall on a capture while serving: ``decode_host`` splits a larger group into captured replays."""
         # largest first: the graphs share one memory pool, and smaller captures can then reuse (split) the
         # blocks a larger one freed. Captured smallest first, 47 graphs of the 1.7B decoder reserved 56 GiB
         # on the H200; the effect of this order there is not measured yet.
@@ -279,7 +290,15 @@ class _StepGraphs:
         for rows, frames in sorted(shapes, key=lambda rf: (rf[0] * rf[1], rf), reverse=True):
             if (rows, frames) not in self.graphs:
                 self.graphs[(rows, frames)] = self._capture(rows, frames)
+        self.limit = max(self.limit, max_rows_x_frames)
         return len(self.graphs)
+
+    def max_rows(self, frames: int) -> int:
+        """The most rows one replay of frame bucket ``frames`` may take without a new capture (0: no limit,
+        nothing was captured up front, or no captured graph has that many frames)."""
+        if not self.limit or frames > FRAME_BUCKETS[-1]:
+            return 0
+        return max((r for r in self.batch if (r, frames) in self.graphs), default=0)
 
     def replay(self, bucket: tuple[int, int], host: Tensor) -> Tensor:
         """Copy the step's inputs in, replay; the PCM is valid until the next step."""
@@ -299,7 +318,7 @@ class _StepGraphs:
         inp = torch.zeros(rows * frames * s.decoder.cfg.num_quantizers + 2 * rows, dtype=torch.int64,
                           device=s.device)
         args = s._split(inp, rows, frames)
-        stream = torch.cuda.Stream(s.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(s.device))
         with torch.cuda.stream(stream):
             s._run(*args)  # warm-up: library init and algorithm choice must not happen inside a capture

@@ -141,8 +141,10 @@ class Qwen3TtsModel(nn.Module):
             grown[:, : cache.trailing.shape[1]] = cache.trailing
             cache.trailing = grown
         cache.trailing[slot, :n] = trailing.to(self.dtype)
-        cache.trailing_len[slot] = n
-        cache.seen[slot] = False
+        # slice fills, not ``t[slot] = n``: a scalar assigned into a device element is a pageable copy that
+        # waits for everything queued on the stream (the step in flight)
+        cache.trailing_len[slot:slot + 1].fill_(n)
+        cache.seen[slot].fill_(False)
 
     # ----------------------------------------------------------------------------- steps
     @torch.no_grad()
