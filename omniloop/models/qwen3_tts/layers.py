@@ -174,6 +174,12 @@ class Attention(nn.Module):
             qg = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=s.mask)
             return self.o_proj(out.reshape(b, 1, -1))
+        elif s.fast and gqa:
+            # prefill: keys repeated per query head (a small copy), so the masked call can take the memory-
+            # efficient kernel; with enable_gqa it could only take cuDNN's (a plan per new shape, ~1 s) or math
+            groups = self.num_heads // self.num_kv_heads
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.repeat_interleave(groups, 1),
+                                                 values.repeat_interleave(groups, 1), attn_mask=s.mask)
         else:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=s.mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))

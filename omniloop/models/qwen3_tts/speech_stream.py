@@ -236,10 +236,11 @@ class CodecStreams:
             raise ValueError(f"codes for {req_id!r} must be in [0, {size}), got [{a.min()}, {a.max()}]")
         return a
 
-    def warmup(self, max_rows_x_frames: int = 256) -> int:
-        """Capture the common step graphs up front (CUDA); returns how many exist. Without it, each bucket
-        is captured the first time a step needs it, stalling that step."""
-        return self._graphs.capture_all(max_rows_x_frames) if self._graphs is not None else 0
+    def warmup(self, max_rows_x_frames: int = 256, max_frames: int = FRAME_BUCKETS[-1]) -> int:
+        """Capture the step graphs of chunks up to ``max_frames`` (the scheduler's largest chunk) up front
+        (CUDA); returns how many exist. Without it, each bucket is captured the first time a step needs it,
+        stalling that step."""
+        return self._graphs.capture_all(max_rows_x_frames, max_frames) if self._graphs is not None else 0
 
     def _grow(self) -> None:
         old = self.capacity
@@ -280,13 +281,14 @@ class _StepGraphs:
         self.graphs.clear()
         self.limit = 0
 
-    def capture_all(self, max_rows_x_frames: int) -> int:
+    def capture_all(self, max_rows_x_frames: int, max_frames: int = FRAME_BUCKETS[-1]) -> int:
         """Capture the (batch, frames) buckets up to ``rows * frames <= max_rows_x_frames`` now, so steps never
         stall on a capture while serving: ``decode_host`` splits a larger group into captured replays."""
         # largest first: the graphs share one memory pool, and smaller captures can then reuse (split) the
         # blocks a larger one freed. Captured smallest first, 47 graphs of the 1.7B decoder reserved 56 GiB
         # on the H200; the effect of this order there is not measured yet.
-        shapes = [(r, f) for r in self.batch for f in FRAME_BUCKETS if r * f <= max_rows_x_frames]
+        top = pick(FRAME_BUCKETS, min(max_frames, FRAME_BUCKETS[-1]))
+        shapes = [(r, f) for r in self.batch for f in FRAME_BUCKETS if r * f <= max_rows_x_frames and f <= top]
         for rows, frames in sorted(shapes, key=lambda rf: (rf[0] * rf[1], rf), reverse=True):
             if (rows, frames) not in self.graphs:
                 self.graphs[(rows, frames)] = self._capture(rows, frames)

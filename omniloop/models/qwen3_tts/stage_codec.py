@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.gpu.runner import CpuRunner
 from omniloop.log import get_logger
 from omniloop.models.qwen3_tts.family import resolve_checkpoint
@@ -79,6 +80,8 @@ def build_codec(stage: Any, profile: Any) -> Worker:
                          "(known: cudnn_benchmark, warmup_rows_x_frames)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
     is_cuda = torch.device(stage.device).type == "cuda"
+    if is_cuda:
+        configure_cuda_stage()
     if is_cuda and cudnn_benchmark:
         # cuDNN's heuristic picks a ~30 TFLOP/s fallback for one of the decoder's dilated convs (5.9 of
         # 27 ms of a 64 x 8-frame step on an H200, benchmarks/codec-steps.md); timed choice avoids it,
@@ -89,12 +92,12 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
     streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
                            initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs))
-    if is_cuda and warmup_frames > 0:
-        num = streams.warmup(warmup_frames)
-        log.info("codec_graphs_captured", stage=stage.name, num_graphs=num,
-                 reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
     chunking = profile.chunking
     frames = max(chunking.frames, chunking.initial_frames)
+    if is_cuda and warmup_frames > 0:
+        num = streams.warmup(warmup_frames, max_frames=frames)
+        log.info("codec_graphs_captured", stage=stage.name, num_graphs=num,
+                 reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
     scheduler = CodecScheduler(CodecConfig(
         stage=stage.name, max_num_seqs=stage.max_num_seqs,
         max_frames_per_step=max(stage.max_num_tokens, frames),
