@@ -77,3 +77,28 @@ def test_fused_norm_rope_matches_torch(dtype: torch.dtype) -> None:
     shared = norm_rope(x, w, 1e-6, cos[:n].contiguous(), folded[:n].contiguous()).float()
     want_shared = y * c[:1] + rot * s_[:1]
     torch.testing.assert_close(shared, want_shared, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qkv_norm_rope_and_silu_mul_match_the_separate_path(dtype: torch.dtype) -> None:
+    """A layer with fused QKV / gate-up weights (one matmul each, q and k normalized in one launch, SiLU *
+    up in one kernel) gives what the separate projections give."""
+    from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope
+    from omniloop.gpu.kernels.silu_mul import silu_mul
+
+    torch.manual_seed(0)
+    b, n, nq, nk, d, hidden = 3, 5, 16, 8, 128, 256
+    x = torch.randn(b, n, hidden, device="cuda", dtype=dtype)
+    w = torch.randn((nq + 2 * nk) * d, hidden, device="cuda", dtype=dtype) / hidden ** 0.5
+    wq, wk = (torch.rand(d, device="cuda", dtype=dtype) + 0.5 for _ in range(2))
+    cos = torch.rand(b * n, d, device="cuda", dtype=dtype)
+    sin = torch.rand(b * n, d, device="cuda", dtype=dtype)
+    qkv = torch.nn.functional.linear(x, w)
+    q, k = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, sin)
+    want_q = norm_rope(qkv[..., :nq * d].contiguous().view(b, n, nq, d), wq, 1e-6, cos, sin)
+    want_k = norm_rope(qkv[..., nq * d:(nq + nk) * d].contiguous().view(b, n, nk, d), wk, 1e-6, cos, sin)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    gate_up = torch.randn(7, 2 * 3000, device="cuda", dtype=dtype) * 3
+    want = (torch.nn.functional.silu(gate_up[:, :3000].float()) * gate_up[:, 3000:].float())
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(silu_mul(gate_up).float(), want, **tol)

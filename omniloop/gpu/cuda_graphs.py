@@ -65,7 +65,8 @@ class FrameGraphs:
         with torch.cuda.stream(stream):
             state.decode_frame(b, kv_len)  # warm-up: lazy library init must not happen inside a capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+        # thread_local: another stage placed as a thread of this process may use CUDA meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             out = state.decode_frame(b, kv_len)
         return graph, out
 

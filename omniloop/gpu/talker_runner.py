@@ -49,6 +49,8 @@ class TalkerSteps:
     def __init__(self, model: Qwen3TtsModel, device: torch.device, max_num_seqs: int, max_len: int,
                  graphs: tuple[tuple[int, ...], tuple[int, ...]] | None, stream: torch.cuda.Stream | None) -> None:
         self.model, self.device = model, device
+        if device.type == "cuda":
+            model.fuse_projections()
         self.eos = model.cfg.talker.codec_eos_id
         self.state = TalkerState.allocate(model, max_num_seqs, max_len, max_trailing=max_len)
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None

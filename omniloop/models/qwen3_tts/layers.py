@@ -146,15 +146,39 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias, **kw)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **kw)
+        self.qkv_weight: torch.Tensor | None = None  # set by ``fuse``
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One ``[q; k; v]`` weight, with the three projections' weights turned into views of it (no copy
+        kept): one matmul instead of three on the fast path, same values."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse([p.weight for p in projs])
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse([p.bias for p in projs])
+
+    def _qkv(self, x: torch.Tensor, s: StackStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[B, L, heads, D]`` and k, v ``[B, L, kv_heads, D]``; q and k normalized and rotated."""
+        b, n, _ = x.shape
+        if self.qkv_weight is not None and s.rows is not None and FUSED_NORM_ROPE:
+            from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope
+
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
+                                self.q_norm.eps, *s.rows)
+            v = qkv[..., (self.num_heads + self.num_kv_heads) * self.head_dim:]
+            return q, k, v.view(b, n, self.num_kv_heads, self.head_dim)
+        q = s.norm_rope(self.q_proj(x).view(b, n, self.num_heads, self.head_dim), self.q_norm)
+        k = s.norm_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim), self.k_norm)
+        return q, k, self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
         row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
         gathering (a copy)."""
         b, n, _ = x.shape
-        q = s.norm_rope(self.q_proj(x).view(b, n, self.num_heads, self.head_dim), self.q_norm)
-        k = s.norm_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim), self.k_norm).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._qkv(x, s)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         if s.start is not None:
             k_cache[:b, :, s.start:s.start + n] = k
             v_cache[:b, :, s.start:s.start + n] = v
@@ -193,9 +217,28 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.gate_up_weight: torch.Tensor | None = None  # set by ``fuse``
+
+    def fuse(self) -> None:
+        """One ``[gate; up]`` weight (the two become views of it): one matmul and one SiLU-multiply kernel."""
+        self.gate_up_weight = _fuse([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None and x.is_cuda:
+            from omniloop.gpu.kernels.silu_mul import silu_mul
+
+            return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse(params: list[nn.Parameter]) -> torch.Tensor:
+    """Concatenate parameters along dim 0 and make each a view of the result, so only one copy exists."""
+    fused = torch.cat([p.data for p in params])
+    start = 0
+    for p in params:
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -223,6 +266,13 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.rope = Rope(cfg, device)
         self.num_kv_heads = cfg.num_kv_heads
+
+    def fuse(self) -> None:
+        """Fused QKV and gate/up weights in every layer (for the CUDA path; the CPU path keeps the reference's
+        separate matmuls, bit for bit)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor | None, kv_len: int) -> torch.Tensor:

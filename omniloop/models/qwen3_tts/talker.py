@@ -114,6 +114,13 @@ class Qwen3TtsModel(nn.Module):
                 self._special = (key, self.text_embed(ids))
         return self._special[1]
 
+    def fuse_projections(self) -> None:
+        """Fused QKV and gate/up weights in the talker and code predictor (CUDA: fewer, larger matmuls).
+        Idempotent; parameters stay in place as views, so loading and ``module_bytes`` see the same tensors."""
+        if self.talker.model.layers[0].mlp.gate_up_weight is None:
+            self.talker.model.fuse()
+            self.code_predictor.model.fuse()
+
     # ----------------------------------------------------------------------------- cache
     def allocate(self, num_slots: int, max_len: int, max_trailing: int = 256) -> TalkerCache:
         dec = self.cfg.talker.decoder
