@@ -76,6 +76,7 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
 def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: int) -> list[dict]:
     from omniloop.gpu.talker_state import TalkerState
 
+    model.fuse_projections()  # as the CUDA runner does
     state = TalkerState.allocate(model, max(batch), context + 8, max_trailing=64)
     for slot in range(max(batch)):
         state.reset(slot, torch.zeros(1, 1), torch.zeros(4, model.cfg.talker.decoder.hidden_size), SAMPLED, slot)

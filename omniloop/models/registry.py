@@ -9,6 +9,7 @@ validator and its ``ModelInfo`` for the frontend.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -86,6 +87,12 @@ def _load_family(key: str) -> str:
     return family
 
 
+# Stages placed as threads of one process are built one at a time: a CUDA graph capture in one stage fails
+# ("operation not permitted when stream is capturing") on another stage's concurrent start-up work, such
+# as a cuDNN algorithm search or a copy on the legacy default stream.
+_BUILD_LOCK = threading.Lock()
+
+
 def build_worker(stage: Any, profile: Any) -> Worker:
     """Build the stage's scheduler and runner (inside the actor, on its loop's thread)."""
     _load_family(stage.model)
@@ -93,7 +100,8 @@ def build_worker(stage: Any, profile: Any) -> Worker:
     if builder is None:
         known = sorted(k for k in _builders if k.startswith(family_of(stage.model) + "."))
         raise KeyError(f"stage {stage.name!r}: no model registered as {stage.model!r} (known: {known})")
-    return builder(stage, profile)
+    with _BUILD_LOCK:
+        return builder(stage, profile)
 
 
 def validator_for(key: str) -> Validator | None:
