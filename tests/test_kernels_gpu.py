@@ -102,3 +102,36 @@ def test_fused_qkv_norm_rope_and_silu_mul_match_the_separate_path(dtype: torch.d
     want = (torch.nn.functional.silu(gate_up[:, :3000].float()) * gate_up[:, 3000:].float())
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(silu_mul(gate_up).float(), want, **tol)
+
+
+@pytest.mark.parametrize("vocab", [2048, 3072])
+def test_fused_sampler_matches_the_torch_path(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy, temperature, top-k (ties kept) and top-p rows: the Triton sampler picks the torch path's
+    token; with top-p on, a row whose boundary sits within rounding may differ (allowed: at most 1 in 64)."""
+    from omniloop.models.qwen3_tts import sampling
+
+    torch.manual_seed(1)
+    b = 256
+    logits = torch.randn(b, vocab, device="cuda") * 3
+    logits[:, :40] = logits[:, :1]  # a 40-way tie at the top: top-k must keep every tied value
+    logits[5, 100:] = float("-inf")  # processed code-0 logits carry -inf
+    noise = sampling.gumbel_noise(torch.rand(b, vocab, device="cuda"))
+    do_sample = torch.arange(b, device="cuda") % 4 != 0
+    temperature = torch.rand(b, device="cuda") + 0.5
+    top_k = torch.randint(0, 80, (b,), device="cuda")
+    for top_p in (torch.ones(b, device="cuda"), torch.rand(b, device="cuda") * 0.9 + 0.05):
+        fused = sampling.sample_noisy(logits, do_sample, temperature, top_k, top_p, noise)
+        monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)
+        want = sampling.sample_noisy(logits, do_sample, temperature, top_k, top_p, noise)
+        monkeypatch.setattr(sampling, "FUSED_SAMPLER", True)
+        mismatches = int((fused != want).sum())
+        if bool((top_p == 1).all()):
+            assert mismatches == 0
+        else:
+            assert mismatches <= b // 64
+        assert torch.equal(fused[~do_sample], logits[~do_sample].argmax(-1))
+    strided = sampling.sample_noisy(logits[:, :2048], do_sample, temperature, top_k, top_p,
+                                    torch.stack([noise[:, :2048]] * 2, 1)[:, 1])
+    monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)
+    assert (strided != sampling.sample_noisy(logits[:, :2048], do_sample, temperature, top_k, top_p,
+                                             noise[:, :2048])).sum() <= b // 64

@@ -20,6 +20,9 @@ import torch
 
 MIN_NEW_TOKENS = 2
 NUM_SUPPRESSED = 1024
+# CUDA: one Triton kernel per sampling (``gpu/kernels/sampler.py``); a switch so benchmarks and tests can run
+# the torch path it replaces
+FUSED_SAMPLER = True
 _M32 = 0xFFFFFFFF
 
 
@@ -136,7 +139,11 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 def sample_noisy(logits: torch.Tensor, do_sample: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One token per row: argmax for greedy rows, argmax of filtered logits + ``noise`` (Gumbel, ``[B, V]``)
-    for sampled rows."""
+    for sampled rows. On CUDA one Triton kernel does it all (``gpu/kernels/sampler.py``)."""
+    if logits.is_cuda and FUSED_SAMPLER:
+        from omniloop.gpu.kernels.sampler import sample_rows
+
+        return sample_rows(logits, do_sample, temperature, top_k, top_p, noise)
     greedy = logits.argmax(-1)
     safe_t = torch.where(do_sample, temperature, torch.ones_like(temperature))
     sampled = (filter_logits(logits, safe_t, top_k, top_p) + noise).argmax(-1)
