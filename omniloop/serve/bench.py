@@ -158,7 +158,7 @@ def _provenance(args: argparse.Namespace) -> dict:
     # a copy of the tree without .git (e.g. on a lent GPU machine) cannot tell; OMNILOOP_COMMIT can
     commit = os.environ.get("OMNILOOP_COMMIT") or git("rev-parse", "HEAD")
     return {"command": " ".join(sys.argv), "commit": commit,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "dirty": None if (status := git("status", "--porcelain", "--untracked-files=no")) == "unknown" else bool(status),
             "device": device, "host": platform.node(), "python": platform.python_version()}
 
 
