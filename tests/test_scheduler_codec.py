@@ -191,3 +191,21 @@ def test_codes_of_the_wrong_width_fail_only_their_request() -> None:
         emits = sched.extend(name, Chunk(name, 0), {name: np.zeros((1, 8), dtype=np.int64)})
         assert len(emits) == 1 and emits[0].msg.reason == "error" and "[1, 8]" in emits[0].msg.error
     assert sched.num_requests == 1 and sched.schedule() is not None  # the good request still batches
+
+
+def test_next_wakeup_is_when_a_held_back_chunk_becomes_urgent():
+    clock = Clock()
+    sched = make(clock, initial_frames=2, frames=8, urgent_s=0.4)
+    assert sched.next_wakeup() is None
+    send(sched, "a", 0, 6)
+    assert sched.next_wakeup() is None  # no audio yet: urgent already, nothing to wait for
+    for _ in range(2):
+        plan = sched.schedule()
+        sched.update(plan, decode(plan))  # 2 + 4 frames out at t=0: 0.48 s buffered
+    send(sched, "a", 6, 3)
+    assert sched.schedule() is None  # 3 < 8 frames and not urgent
+    wake = sched.next_wakeup()
+    assert abs(wake - (6 * 0.08 - 0.4)) < 1e-9  # the buffer reaches 0.4 s at t = 0.08
+    clock.now = wake + 1e-6
+    assert sizes(sched.schedule()) == [("a", 3)]  # and then the held frames go
+    assert sched.next_wakeup() is None  # nothing held back (and past moments are never returned)

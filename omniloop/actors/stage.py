@@ -6,6 +6,10 @@ The loop sleeps until one of two things happens, and then runs the DESIGN.md rou
     step completed   -> apply it (update or fail -> emits -> outboxes), then launch
     launch: while in_flight < max_in_flight and (plan := scheduler.schedule()): runner.submit(plan)
 
+A scheduler whose plans also depend on the clock (the codec's: a held-back chunk becomes urgent when its
+client's buffer runs low) says when through ``next_wakeup()``; the loop then arms one timer for that
+moment, so a deadline passing with no input and no step in flight still gets its launch.
+
 A step's outputs are sent before the next step is launched. Nothing here waits on a result, polls,
 or sleeps. When a stage ends a request itself (an error Finish to the frontend), it also sends
 Abort downstream on the same socket that carried the request, so the abort cannot overtake it.
@@ -50,6 +54,7 @@ class StageActor:
         self._to_frontend: Outbox | None = None
         self._doorway: Doorway | None = None
         self._stopped: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the scheduler's next deadline (see the module doc)
         self.start_error: str | None = None  # set when start-up failed; also sent in Ready(ok=False)
 
     # ---- lifecycle
@@ -109,6 +114,9 @@ class StageActor:
         return self._stopped is None or self._stopped.done()
 
     def _close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         steps = (
             ("inbox", self._inbox),
             ("runner", self.runner),
@@ -194,12 +202,41 @@ class StageActor:
         while not self.is_stopping and self.num_in_flight < self.stage.max_in_flight:
             plan = self.scheduler.schedule()
             if plan is None:
-                return
+                break
             self.num_in_flight += 1
             lane = self._free_lanes.pop()
             started = time.monotonic()  # the tracer's clock: one CLOCK_MONOTONIC for every process
             future = self.runner.submit(plan)
             future.add_done_callback(functools.partial(self._on_step_done, plan, started, lane))
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        """One timer at the scheduler's next deadline (``next_wakeup``, time.monotonic seconds), if any."""
+        next_wakeup = getattr(self.scheduler, "next_wakeup", None)
+        when = next_wakeup() if next_wakeup is not None and not self.is_stopping else None
+        if when is not None and when <= time.monotonic():
+            when = None  # past deadlines are the scheduler's to take on the next wake-up; never spin
+        if self._timer is not None:
+            if when is not None and abs(self._timer.when() - self._timer_loop_time(when)) < 1e-3:
+                return  # already armed for it
+            self._timer.cancel()
+            self._timer = None
+        if when is not None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at(self._timer_loop_time(when), self._on_timer)
+
+    @staticmethod
+    def _timer_loop_time(when: float) -> float:
+        loop = asyncio.get_running_loop()
+        return loop.time() + max(0.0, when - time.monotonic())
+
+    # ---- wake-up 3: a scheduler deadline
+    def _on_timer(self) -> None:
+        self._timer = None
+        try:
+            self._launch()
+        except Exception as exc:
+            self._fatal(exc)
 
     def _send(self, emits: list[Emit]) -> None:
         for emit in emits:

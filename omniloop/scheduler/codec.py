@@ -24,7 +24,7 @@ import numpy as np
 
 from omniloop.scheduler.interface import Emit
 from omniloop.scheduler.plan import CodecSeq, CodecStepPlan, CodecStepResult
-from omniloop.scheduler.policy import Playback, by_deadline
+from omniloop.scheduler.policy import FRAME_S, Playback, by_deadline
 from omniloop.scheduler.request import CodecRequest, fail_requests
 from omniloop.scheduler.slots import SlotPool
 from omniloop.transport.messages import Chunk, Finish, Reason
@@ -176,6 +176,19 @@ class CodecScheduler:
             if is_final:
                 emits.append(self._finish(req, req.final_reason, req.final_error))
         return emits
+
+    def next_wakeup(self) -> float | None:
+        """When a held-back chunk becomes urgent (its client's buffer falls to ``urgent_s``), on the scheduler's
+        clock; None if no request waits for that. The stage arms a timer for it: with no new frames and no
+        step in flight nothing else would wake the loop, and the client would run dry with frames in hand.
+        Only future moments: a request already urgent waits on something that wakes the loop by itself (a
+        step in flight, a free decoder slot)."""
+        now = self._clock()
+        times = [t for req in self._reqs.values()
+                 if req.num_available and req.final_reason is None and req.playback.first_audio_at is not None
+                 and (t := req.playback.first_audio_at + req.playback.num_frames * FRAME_S - self.config.urgent_s)
+                 > now]
+        return min(times, default=None)
 
     def fail(self, plan: CodecStepPlan, error: BaseException) -> list[Emit]:
         return fail_requests(self._in_flight.pop(plan.step_id, ()), self.config.stage, error, self._finish)
