@@ -252,6 +252,15 @@ def _check_semantics(p: Profile, path: Path) -> None:
                 fail(f"{where}.{field} must be >= 1, got {getattr(s, field)}")
         if s.gpu_memory_fraction is not None and not 0.0 < s.gpu_memory_fraction <= 1.0:
             fail(f"{where}.gpu_memory_fraction must be in (0, 1], got {s.gpu_memory_fraction}")
+    shares: dict[str, list[tuple[str, float]]] = {}
+    for s in p.stages:
+        if s.gpu_memory_fraction is not None and s.device != "cpu":
+            device = "cuda:0" if s.device == "cuda" else s.device
+            shares.setdefault(device, []).append((s.name, s.gpu_memory_fraction))
+    for device, parts in shares.items():
+        if sum(f for _, f in parts) > 1.0 + 1e-9:
+            fail(f"stages on {device} ask for more than the whole device: "
+                 + " + ".join(f"{name} {f}" for name, f in parts) + f" = {sum(f for _, f in parts):.2f} > 1")
     for src, dst in p.edges:
         for end in (src, dst):
             if end not in names:

@@ -94,3 +94,19 @@ def test_bundled_profiles_resolve_and_dump() -> None:
         text = dump_profile(p)
         assert "talker" in text and "platforms" not in text
     assert load_profile("qwen3_tts", platform="cuda").stage("talker").dtype == "bfloat16"
+
+
+def test_stages_sharing_a_gpu_cannot_ask_for_more_than_all_of_it(tmp_path: Path) -> None:
+    path = str(write(tmp_path, BASE))
+    both = ["stages.talker.device=cuda", "stages.codec.device=cuda:0"]
+    ok = load_profile(path, [*both, "stages.talker.gpu_memory_fraction=0.3",
+                             "stages.codec.gpu_memory_fraction=0.6"], platform="cpu")
+    assert ok.stage("codec").gpu_memory_fraction == 0.6
+    with pytest.raises(ProfileError, match=r"talker 0.5 \+ codec 0.6 = 1.10 > 1"):
+        load_profile(path, [*both, "stages.talker.gpu_memory_fraction=0.5", "stages.codec.gpu_memory_fraction=0.6"],
+                     platform="cpu")
+    # on different devices each may take most of its own
+    load_profile(path, ["stages.talker.device=cuda:0", "stages.codec.device=cuda:1",
+                        "stages.talker.gpu_memory_fraction=0.9", "stages.codec.gpu_memory_fraction=0.9"],
+                 platform="cpu")
+    assert load_profile("qwen3_tts", platform="cuda").stage("codec").gpu_memory_fraction == 0.6

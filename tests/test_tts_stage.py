@@ -136,3 +136,30 @@ async def test_codec_stage_streams_equal_one_shot(tts_fixtures) -> None:
         assert pcm.shape == want.shape == (1920 * len(c),)
         assert np.linalg.norm(pcm - want) / np.linalg.norm(want) < 5e-5
     assert sched.num_requests == 0 and runner.streams.num_active == 0
+
+
+def test_codec_memory_budget_names_the_numbers_and_the_knobs(monkeypatch) -> None:
+    """The codec's share is checked after each graph capture (``CodecMemoryBudget``); here the CUDA
+    allocator is simulated, the stage's reserved bytes growing by 30 GiB a capture."""
+    import torch
+
+    from omniloop.models.qwen3_tts.stage_codec import CodecMemoryBudget
+
+    gib = 2**30
+    reserved = [5 * gib]
+
+    class Props:
+        total_memory = 100 * gib
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved[0])
+    budget = CodecMemoryBudget("codec", "cuda", 0.6, 512)  # 60 GiB, counted from the 5 GiB already held
+    for graphs in (1, 2):
+        reserved[0] += 30 * gib
+        budget.check(graphs)  # 30, then 60 GiB: within
+    reserved[0] += 30 * gib
+    with pytest.raises(ValueError) as err:
+        budget.check(3)
+    msg = str(err.value)
+    assert "90.0 GiB" in msg and "3 captured step graphs" in msg and "60.0 GiB" in msg
+    assert "warmup_rows_x_frames (now 512)" in msg and "gpu_memory_fraction" in msg

@@ -20,7 +20,7 @@ final samples, nothing is held back.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -236,11 +236,14 @@ class CodecStreams:
             raise ValueError(f"codes for {req_id!r} must be in [0, {size}), got [{a.min()}, {a.max()}]")
         return a
 
-    def warmup(self, max_rows_x_frames: int = 256, max_frames: int = FRAME_BUCKETS[-1]) -> int:
+    def warmup(self, max_rows_x_frames: int = 256, max_frames: int = FRAME_BUCKETS[-1],
+               check: Callable[[int], None] | None = None) -> int:
         """Capture the step graphs of chunks up to ``max_frames`` (the scheduler's largest chunk) up front
         (CUDA); returns how many exist. Without it, each bucket is captured the first time a step needs it,
-        stalling that step."""
-        return self._graphs.capture_all(max_rows_x_frames, max_frames) if self._graphs is not None else 0
+        stalling that step. ``check(num_graphs)`` runs after each capture (a memory budget raises there)."""
+        if self._graphs is None:
+            return 0
+        return self._graphs.capture_all(max_rows_x_frames, max_frames, check)
 
     def _grow(self) -> None:
         old = self.capacity
@@ -281,7 +284,8 @@ class _StepGraphs:
         self.graphs.clear()
         self.limit = 0
 
-    def capture_all(self, max_rows_x_frames: int, max_frames: int = FRAME_BUCKETS[-1]) -> int:
+    def capture_all(self, max_rows_x_frames: int, max_frames: int = FRAME_BUCKETS[-1],
+                    check: Callable[[int], None] | None = None) -> int:
         """Capture the (batch, frames) buckets up to ``rows * frames <= max_rows_x_frames`` now, so steps never
         stall on a capture while serving: ``decode_host`` splits a larger group into captured replays."""
         # largest first: the graphs share one memory pool, and smaller captures can then reuse (split) the
@@ -292,6 +296,8 @@ class _StepGraphs:
         for rows, frames in sorted(shapes, key=lambda rf: (rf[0] * rf[1], rf), reverse=True):
             if (rows, frames) not in self.graphs:
                 self.graphs[(rows, frames)] = self._capture(rows, frames)
+                if check is not None:
+                    check(len(self.graphs))
         self.limit = max(self.limit, max_rows_x_frames)
         return len(self.graphs)
 

@@ -70,6 +70,33 @@ class CodecRunner(CpuRunner):
             self._owner.clear()
 
 
+class CodecMemoryBudget:
+    """The codec stage's share of its GPU: ``gpu_memory_fraction`` x total memory, against what this stage
+    reserved since it started building (weights, decoder state, captured graphs; stages are built one at a
+    time, so the difference is this stage's even when stages share a process). Checked after each graph
+    capture, so an over-large warm-up stops with the numbers instead of running the device out of memory."""
+
+    def __init__(self, stage: str, device: str, fraction: float, warmup_rows_x_frames: int) -> None:
+        self.stage, self.device, self.warmup = stage, torch.device(device), warmup_rows_x_frames
+        self.fraction = fraction
+        self.total = torch.cuda.get_device_properties(self.device).total_memory
+        self.base = torch.cuda.memory_reserved(self.device)
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.fraction * self.total)
+
+    def check(self, num_graphs: int) -> None:
+        used = torch.cuda.memory_reserved(self.device) - self.base
+        if used > self.budget_bytes:
+            gib = 2**30
+            raise ValueError(
+                f"stage {self.stage!r}: the codec holds {used / gib:.1f} GiB (weights, decoder state and "
+                f"{num_graphs} captured step graphs) > its budget, gpu_memory_fraction {self.fraction} x "
+                f"{self.total / gib:.1f} GiB = {self.budget_bytes / gib:.1f} GiB. Lower options.warmup_rows_x_frames "
+                f"(now {self.warmup}), chunking.frames or max_num_seqs, or raise gpu_memory_fraction")
+
+
 def build_codec(stage: Any, profile: Any) -> Worker:
     ckpt = resolve_checkpoint(profile)
     opts = dict(stage.options)
@@ -80,8 +107,11 @@ def build_codec(stage: Any, profile: Any) -> Worker:
                          "(known: cudnn_benchmark, warmup_rows_x_frames)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
     is_cuda = torch.device(stage.device).type == "cuda"
+    budget = None
     if is_cuda:
         configure_cuda_stage()
+        if stage.gpu_memory_fraction is not None:
+            budget = CodecMemoryBudget(stage.name, stage.device, stage.gpu_memory_fraction, warmup_frames)
     if is_cuda and cudnn_benchmark:
         # cuDNN's heuristic picks a ~30 TFLOP/s fallback for one of the decoder's dilated convs (5.9 of
         # 27 ms of a 64 x 8-frame step on an H200, benchmarks/codec-steps.md); timed choice avoids it,
@@ -94,8 +124,10 @@ def build_codec(stage: Any, profile: Any) -> Worker:
                            initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs))
     chunking = profile.chunking
     frames = max(chunking.frames, chunking.initial_frames)
+    if budget is not None:
+        budget.check(0)  # weights and decoder state alone
     if is_cuda and warmup_frames > 0:
-        num = streams.warmup(warmup_frames, max_frames=frames)
+        num = streams.warmup(warmup_frames, max_frames=frames, check=budget.check if budget else None)
         log.info("codec_graphs_captured", stage=stage.name, num_graphs=num,
                  reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
     scheduler = CodecScheduler(CodecConfig(
