@@ -9,6 +9,9 @@ The actor loop calls, and only calls:
     scheduler.update(plan, result) -> list[Emit]   the only place results are learned
     scheduler.fail(plan, error) -> list[Emit]      a step raised: fail exactly that step's requests
 
+Optionally ``scheduler.next_wakeup() -> float | None``: a future ``time.monotonic()`` moment at which
+``schedule()`` may return a plan without new input; the stage arms one timer for it.
+
 ``Emit.dest`` is ``"next"`` (the downstream stage; the frontend for the last stage) or
 ``"frontend"`` (text deltas and errors that skip the rest of the pipeline).
 """
