@@ -14,6 +14,7 @@ stream order, so a request may be scheduled again while its previous step is sti
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -185,9 +186,7 @@ class CodecScheduler:
         step in flight, a free decoder slot)."""
         now = self._clock()
         times = [t for req in self._reqs.values()
-                 if req.num_available and req.final_reason is None and req.playback.first_audio_at is not None
-                 and (t := req.playback.first_audio_at + req.playback.num_frames * FRAME_S - self.config.urgent_s)
-                 > now]
+                 if req.num_available and req.final_reason is None and (t := self._urgent_at(req)) > now]
         return min(times, default=None)
 
     def fail(self, plan: CodecStepPlan, error: BaseException) -> list[Emit]:
@@ -234,9 +233,19 @@ class CodecScheduler:
 
     def _min_frames(self, req: CodecRequest, size: int, now: float) -> int:
         """Frames this request should have before its next chunk is worth a step."""
-        if req.playback.slack(now) < self.config.urgent_s:
+        if now >= self._urgent_at(req):
             return 1  # the client is (nearly) dry: go with what there is
         return size
+
+    def _urgent_at(self, req: CodecRequest) -> float:
+        """When the client's buffer falls to ``urgent_s`` (slack = urgent_s); -inf before its first audio (it
+        has been dry since it arrived). ``_min_frames`` and ``next_wakeup`` share this one expression, so a
+        request is urgent at the very moment ``next_wakeup`` named: two differently rounded forms (one of
+        them strict) left it neither decoded nor waited for there."""
+        playback = req.playback
+        if playback.first_audio_at is None:
+            return -math.inf
+        return playback.first_audio_at + playback.num_frames * FRAME_S - self.config.urgent_s
 
     def _get(self, req_id: str) -> CodecRequest | None:
         """The live request, created on first sight; None if it already ended here."""

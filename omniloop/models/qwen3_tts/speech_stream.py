@@ -303,7 +303,7 @@ class _StepGraphs:
 
     def max_rows(self, frames: int) -> int:
         """The most rows one replay of frame bucket ``frames`` may take without a new capture (0: no limit,
-        nothing was captured up front, or no captured graph has that many frames)."""
+        nothing was captured up front, or no captured graph has that many frames: ``replay`` runs it eagerly)."""
         if not self.limit or frames > FRAME_BUCKETS[-1]:
             return 0
         return max((r for r in self.batch if (r, frames) in self.graphs), default=0)
@@ -311,7 +311,9 @@ class _StepGraphs:
     def replay(self, bucket: tuple[int, int], host: Tensor) -> Tensor:
         """Copy the step's inputs in, replay; the PCM is valid until the next step."""
         s = self.streams
-        if bucket[1] > FRAME_BUCKETS[-1]:
+        # after ``capture_all``, a shape it did not capture (a frame bucket above the scheduler's largest chunk:
+        # a clone's first chunk carries its reference frames) runs eagerly: no capture while serving
+        if bucket[1] > FRAME_BUCKETS[-1] or (self.limit and bucket not in self.graphs):
             return s._run(*s._split(host.to(s.device, non_blocking=True), *bucket))
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(*bucket)
