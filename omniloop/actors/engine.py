@@ -21,7 +21,7 @@ import numpy as np
 
 from omniloop.actors.collector import Collector, Output
 from omniloop.actors.doorway import Doorway
-from omniloop.actors.supervisor import Supervisor, describe_exit
+from omniloop.actors.supervisor import STAGE_EXIT_TIMEOUT_S, Supervisor, describe_exit
 from omniloop.actors.trace import Tracer
 from omniloop.errors import FrameError, RequestError
 from omniloop.log import get_logger
@@ -129,7 +129,9 @@ class Engine:
         self._is_closed = True
         try:
             if self.supervisor is not None:
-                await self.supervisor.shutdown(self._send_shutdown)
+                # each stage gets the caller's timeout to exit on its own (a GPU stage frees graphs and caches),
+                # never less than the supervisor's default, before terminate and kill
+                await self.supervisor.shutdown(self._send_shutdown, timeout_s=max(timeout_s, STAGE_EXIT_TIMEOUT_S))
         finally:
             for waiter in self._stats_waiters.values():
                 if not waiter.done():

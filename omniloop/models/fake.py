@@ -35,7 +35,7 @@ NUM_CODEBOOKS = 16
 CODEBOOK_SIZE = 2048
 SAMPLES_PER_FRAME = 1920
 HIDDEN = 8
-_OPTIONS = {"step_ms", "raise_marker", "frames_per_char", "frames_per_chunk"}
+_OPTIONS = {"step_ms", "raise_marker", "frames_per_char", "frames_per_chunk", "close_ms"}
 
 
 def request_text(request: SpeechRequest | ChatRequest) -> str:
@@ -74,6 +74,11 @@ class FakeRunner(CpuRunner):
         self._compute = compute
         self._step_s = float(stage.options.get("step_ms", 1.0)) / 1000.0
         self._marker = stage.options.get("raise_marker")
+        self._close_s = float(stage.options.get("close_ms", 0.0)) / 1000.0  # a slow release (GPU stages)
+
+    def close(self) -> None:
+        time.sleep(self._close_s)
+        super().close()
 
     def step(self, plan: FifoPlan) -> list[Any]:
         time.sleep(self._step_s)
