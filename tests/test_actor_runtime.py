@@ -192,9 +192,13 @@ async def test_a_full_peer_queue_backs_up_in_order_instead_of_blocking_the_loop(
         if len(received) == 50:
             done.set()
 
+    drained = []
+    assert outbox.is_congested
+    outbox.on_drain = lambda: drained.append(outbox.num_backlog)
     inbox.attach(loop, on_batch)
     await asyncio.wait_for(done.wait(), 5)
     assert received == list(range(50))
-    assert outbox.num_backlog == 0
+    assert outbox.num_backlog == 0 and not outbox.is_congested
+    assert drained and drained[0] == 0  # told once the backlog emptied, on the loop
     inbox.close()
     outbox.close()

@@ -6,6 +6,9 @@ The loop sleeps until one of two things happens, and then runs the DESIGN.md rou
     step completed   -> apply it (update or fail -> emits -> outboxes), then launch
     launch: while in_flight < max_in_flight and (plan := scheduler.schedule()): runner.submit(plan)
 
+A stage whose outbox holds a backlog (its peer stopped reading) launches nothing until the backlog
+drains, which wakes the loop again: backpressure along the pipeline, memory bounded by the steps in flight.
+
 A scheduler whose plans also depend on the clock (the codec's: a held-back chunk becomes urgent when its
 client's buffer runs low) says when through ``next_wakeup()``; the loop then arms one timer for that
 moment, so a deadline passing with no input and no step in flight still gets its launch.
@@ -100,6 +103,8 @@ class StageActor:
             self._to_next.attach(loop)
         self._inbox = Inbox(self.spec.inbox, name=f"{self.stage.name}-inbox")
         self._inbox.attach(loop, self._on_inbox)
+        for outbox in {id(o): o for o in (self._to_next, self._to_frontend)}.values():
+            outbox.on_drain = self._on_drain
 
     def _stop(self, reason: str) -> None:
         if self._stopped is not None and not self._stopped.done():
@@ -199,7 +204,7 @@ class StageActor:
 
     # ---- launch
     def _launch(self) -> None:
-        while not self.is_stopping and self.num_in_flight < self.stage.max_in_flight:
+        while not self.is_stopping and self.num_in_flight < self.stage.max_in_flight and not self._is_congested():
             plan = self.scheduler.schedule()
             if plan is None:
                 break
@@ -229,6 +234,18 @@ class StageActor:
     def _timer_loop_time(when: float) -> float:
         loop = asyncio.get_running_loop()
         return loop.time() + max(0.0, when - time.monotonic())
+
+    def _is_congested(self) -> bool:
+        """A peer stopped keeping up (an outbox holds a backlog): launch nothing until it drains, so what
+        waits in memory stays bounded by the steps already in flight."""
+        return any(o is not None and o.is_congested for o in (self._to_next, self._to_frontend))
+
+    # ---- wake-up 4: a congested outbox drained
+    def _on_drain(self) -> None:
+        try:
+            self._launch()
+        except Exception as exc:
+            self._fatal(exc)
 
     # ---- wake-up 3: a scheduler deadline
     def _on_timer(self) -> None:

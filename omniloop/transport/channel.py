@@ -122,7 +122,11 @@ class Inbox:
 
 class Outbox:
     """PUSH socket connected to ``address``. ``send`` never blocks the loop: when the peer's queue is
-    full (HWM) messages wait, in order, in a backlog flushed when the socket becomes writable."""
+    full (HWM) messages wait, in order, in a backlog flushed when the socket becomes writable.
+
+    The backlog is the owner's signal to stop producing (``is_congested``): a stage launches no new step
+    while an outbox of its has one, so a peer that stopped reading holds the backlog to what the steps
+    already in flight emit. ``on_drain`` is called on the loop when the backlog has emptied."""
 
     def __init__(
         self,
@@ -140,6 +144,7 @@ class Outbox:
         self._sock.setsockopt(zmq.LINGER, linger_ms)
         self._sock.connect(address)
         self._backlog: collections.deque[list] = collections.deque()
+        self.on_drain: Callable[[], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._owner: int | None = None
         self._is_closed = False
@@ -172,11 +177,19 @@ class Outbox:
     def num_backlog(self) -> int:
         return len(self._backlog)
 
+    @property
+    def is_congested(self) -> bool:
+        """The peer is not keeping up: messages wait in the backlog."""
+        return bool(self._backlog)
+
     def _flush(self) -> None:
         while self._backlog and not self._is_closed and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
             self._sock.send_multipart(self._backlog.popleft(), zmq.NOBLOCK, copy=False)
         if not self._backlog and not self._is_closed and self._loop is not None:
             self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+            log.info("outbox_drained", outbox=self.name, address=self.address)
+            if self.on_drain is not None:
+                self.on_drain()
 
     def close(self) -> None:
         if self._is_closed:
