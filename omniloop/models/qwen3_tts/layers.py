@@ -163,6 +163,8 @@ class Attention(nn.Module):
         if self.qkv_weight is not None and s.rows is not None and FUSED_NORM_ROPE:
             from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope
 
+            _check_fused(self.qkv_weight, self.q_proj.weight)
+
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
             q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
                                 self.q_norm.eps, *s.rows)
@@ -227,8 +229,18 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None and x.is_cuda:
             from omniloop.gpu.kernels.silu_mul import silu_mul
 
+            _check_fused(self.gate_up_weight, self.gate_proj.weight)
+
             return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _check_fused(fused: torch.Tensor, first: torch.Tensor) -> None:
+    """The separate parameters must still be views of the fused tensor: a ``.to()`` or a load that replaced
+    them after ``fuse`` would leave the fused matmul on stale weights, silently."""
+    if first.data_ptr() != fused.data_ptr():
+        raise RuntimeError("fused projection weights are stale (parameters were replaced after fuse()); "
+                           "call Qwen3TtsModel.fuse_projections() again")
 
 
 def _fuse(params: list[nn.Parameter]) -> torch.Tensor:
