@@ -1,9 +1,10 @@
 """The stage actor: one loop, one inbox, one scheduler, one runner.
 
-The loop sleeps until one of two things happens, and then runs the DESIGN.md routine:
+The loop sleeps until something happens, and then runs the DESIGN.md routine:
 
     inbox input      -> drain inbox (add / extend / finish_upstream / abort / stop), then launch
     step completed   -> apply it (update or fail -> emits -> outboxes), then launch
+    deadline / drain -> launch (see the two paragraphs below)
     launch: while in_flight < max_in_flight and (plan := scheduler.schedule()): runner.submit(plan)
 
 A stage whose outbox holds a backlog (its peer stopped reading) launches nothing until the backlog
@@ -240,16 +241,16 @@ class StageActor:
         waits in memory stays bounded by the steps already in flight."""
         return any(o is not None and o.is_congested for o in (self._to_next, self._to_frontend))
 
-    # ---- wake-up 4: a congested outbox drained
-    def _on_drain(self) -> None:
+    # ---- wake-up 3: a scheduler deadline
+    def _on_timer(self) -> None:
+        self._timer = None
         try:
             self._launch()
         except Exception as exc:
             self._fatal(exc)
 
-    # ---- wake-up 3: a scheduler deadline
-    def _on_timer(self) -> None:
-        self._timer = None
+    # ---- wake-up 4: a congested outbox drained
+    def _on_drain(self) -> None:
         try:
             self._launch()
         except Exception as exc:
