@@ -36,6 +36,11 @@ async def test_trace_records_every_stage_step_and_request(tmp_path, monkeypatch)
     assert set(summary) == {"talker", "codec"}
     assert summary["talker"]["mean_step_ms"] >= 5.0  # each fake talker step sleeps 5 ms
     assert 0.0 < summary["talker"]["busy_fraction"] <= 1.0
+    talker = summary["talker"]
+    assert talker["p95_step_ms"] >= talker["mean_step_ms"] * 0.5 and talker["median_spacing_ms"] > 0.0
+    longest = [s["ms"] for s in talker["longest_steps"]]
+    assert longest == sorted(longest, reverse=True) and longest[0] >= talker["p95_step_ms"] - 0.01
+    assert all("seqs" in s for s in talker["longest_steps"])  # with the plan's size: what the stall was
 
 
 def test_tracing_is_off_by_default(tmp_path, monkeypatch) -> None:

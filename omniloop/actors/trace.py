@@ -88,25 +88,35 @@ def merge_traces(directory: str | Path, out: str | Path) -> dict[str, Any]:
     return merged
 
 
-def summarize(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per actor: number of steps, mean step time and how much of the traced time a step was in flight."""
+def summarize(trace: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per actor: number of steps, mean and p95 step time (submit to completion), the median time between
+    step starts (the pace the stage actually ran at: with steps overlapping, shorter than a step), how much
+    of the traced time a step was in flight, and its three longest steps with their plan sizes (stalls)."""
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M"}
-    spans: dict[int, list[tuple[float, float]]] = {}
+    steps: dict[int, list[dict[str, Any]]] = {}
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and e.get("name") == "step":
-            spans.setdefault(e["pid"], []).append((e["ts"], e["ts"] + e["dur"]))
+            steps.setdefault(e["pid"], []).append(e)
     out = {}
-    for pid, items in spans.items():
-        items.sort()
+    for pid, events in steps.items():
+        events.sort(key=lambda e: e["ts"])
+        items = [(e["ts"], e["ts"] + e["dur"]) for e in events]
         busy, cursor = 0.0, float("-inf")
         for start, end in items:  # union of overlapping spans: time with at least one step in flight
             if end > cursor:
                 busy += end - max(start, cursor)
                 cursor = end
-        total = items[-1][1] - items[0][0]
+        total = max(end for _, end in items) - items[0][0]
+        durations = sorted(e - s for s, e in items)
+        spacing = sorted(b[0] - a[0] for a, b in zip(items, items[1:]))
+        longest = sorted(events, key=lambda e: -e["dur"])[:3]
         out[names.get(pid, str(pid))] = {
             "num_steps": float(len(items)),
-            "mean_step_ms": sum(e - s for s, e in items) / len(items) / 1000.0,
+            "mean_step_ms": sum(durations) / len(durations) / 1000.0,
+            "p95_step_ms": durations[min(len(durations) - 1, int(0.95 * len(durations)))] / 1000.0,
+            "median_spacing_ms": spacing[len(spacing) // 2] / 1000.0 if spacing else 0.0,
             "busy_fraction": busy / total if total > 0 else 0.0,
+            "longest_steps": [{"ms": round(e["dur"] / 1000.0, 2), "at_ms": round((e["ts"] - items[0][0]) / 1000.0, 1),
+                               **e.get("args", {})} for e in longest],
         }
     return out

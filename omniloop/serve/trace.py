@@ -2,7 +2,8 @@
 
 Every actor (frontend and stages, threads or processes) records its steps and requests while
 ``OMNILOOP_TRACE_DIR`` is set; this command sets it to a fresh folder, runs the load, merges the
-files into ``--out`` and prints per-stage step counts, mean step time and busy fraction.
+files into ``--out`` and prints per stage: step counts, mean / p95 step time, the median pace,
+the busy fraction and the longest steps (``actors.trace.summarize``).
 """
 
 from __future__ import annotations
