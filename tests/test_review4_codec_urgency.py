@@ -1,7 +1,7 @@
 """Review: the moment ``CodecScheduler.next_wakeup`` names is a moment at which the held-back request is urgent.
 
-The stage arms its timer for ``next_wakeup()`` and, when it fires, calls ``schedule()``; ``next_wakeup`` never
-returns a past moment. If ``schedule`` at that moment still holds the request back (the urgency test and the
+The stage arms its timer for ``next_wakeup()`` and, when it fires, calls ``schedule()`` once for that moment.
+If ``schedule`` at that moment still holds the request back (the urgency test and the
 deadline were two differently rounded forms of one inequality, one of them strict), the request is neither
 decoded nor waited for: nothing wakes the stage until other input arrives, and the client runs dry with frames
 in hand."""

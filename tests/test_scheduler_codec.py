@@ -208,4 +208,4 @@ def test_next_wakeup_is_when_a_held_back_chunk_becomes_urgent():
     assert abs(wake - (6 * 0.08 - 0.4)) < 1e-9  # the buffer reaches 0.4 s at t = 0.08
     clock.now = wake + 1e-6
     assert sizes(sched.schedule()) == [("a", 3)]  # and then the held frames go
-    assert sched.next_wakeup() is None  # nothing held back (and past moments are never returned)
+    assert sched.next_wakeup() is None  # nothing held back any more

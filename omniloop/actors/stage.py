@@ -40,6 +40,8 @@ from omniloop.transport.messages import Abort, Chunk, Finish, Ready, Reason, Shu
 
 log = get_logger(__name__)
 
+TIMER_SLACK_S = 0.002  # a deadline timer is armed this much late: loops' timers may fire up to ~1.5 ms early
+
 
 class StageActor:
     def __init__(self, spec: ActorSpec) -> None:
@@ -59,6 +61,8 @@ class StageActor:
         self._doorway: Doorway | None = None
         self._stopped: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None  # the scheduler's next deadline (see the module doc)
+        self._timer_for = 0.0  # the deadline the timer is armed for (time.monotonic seconds)
+        self._fired_for: float | None = None  # the deadline the timer last launched for
         self.start_error: str | None = None  # set when start-up failed; also sent in Ready(ok=False)
 
     # ---- lifecycle
@@ -220,21 +224,25 @@ class StageActor:
         """One timer at the scheduler's next deadline (``next_wakeup``, time.monotonic seconds), if any."""
         next_wakeup = getattr(self.scheduler, "next_wakeup", None)
         when = next_wakeup() if next_wakeup is not None and not self.is_stopping else None
-        if when is not None and when <= time.monotonic():
-            when = None  # past deadlines are the scheduler's to take on the next wake-up; never spin
+        if self.is_stopping or (when is not None and when == self._fired_for and when <= time.monotonic()):
+            when = None  # already launched for it: the scheduler's to take on the next wake-up; never spin
         if self._timer is not None:
-            if when is not None and abs(self._timer.when() - self._timer_loop_time(when)) < 1e-3:
-                return  # already armed for it
+            if not self.is_stopping and (when is None or when >= self._timer_for):
+                # armed for this moment or an earlier one: keep it. A deadline that passed while the scheduler
+                # ran (schedule(): not yet; next_wakeup(): gone) would otherwise get no launch at all; a timer
+                # with nothing left to do costs one launch
+                return
             self._timer.cancel()
             self._timer = None
         if when is not None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(self._timer_loop_time(when), self._on_timer)
+            self._set_timer(when)
 
-    @staticmethod
-    def _timer_loop_time(when: float) -> float:
-        loop = asyncio.get_running_loop()
-        return loop.time() + max(0.0, when - time.monotonic())
+    def _set_timer(self, when: float) -> None:
+        # a loop's timers may fire a little early (uvloop's clock counts whole milliseconds): a little later
+        # instead, so the launch it makes sees its deadline passed
+        self._timer_for = when
+        delay = max(0.0, when - time.monotonic()) + TIMER_SLACK_S
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
 
     def _is_congested(self) -> bool:
         """A peer stopped keeping up (an outbox holds a backlog): launch nothing until it drains, so what
@@ -244,6 +252,10 @@ class StageActor:
     # ---- wake-up 3: a scheduler deadline
     def _on_timer(self) -> None:
         self._timer = None
+        if time.monotonic() < self._timer_for:  # fired early: wait on, without launching for nothing
+            self._set_timer(self._timer_for)
+            return
+        self._fired_for = self._timer_for
         try:
             self._launch()
         except Exception as exc:

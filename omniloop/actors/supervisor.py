@@ -212,8 +212,10 @@ class Supervisor:
             if action is not None:
                 log.warning("stage_force_stop", stage=stage, action=action.__name__)
                 action()
+            # ``timeout_s`` is the grace to exit on its own; after terminate / kill, the supervisor's own wait
+            wait_s = timeout_s if action is None else min(timeout_s, STAGE_EXIT_TIMEOUT_S)
             try:
-                await asyncio.wait_for(asyncio.shield(exit_future), timeout_s)
+                await asyncio.wait_for(asyncio.shield(exit_future), wait_s)
             except TimeoutError:
                 continue
         if not exit_future.done():

@@ -182,11 +182,11 @@ class CodecScheduler:
         """When a held-back chunk becomes urgent (its client's buffer falls to ``urgent_s``), on the scheduler's
         clock; None if no request waits for that. The stage arms a timer for it: with no new frames and no
         step in flight nothing else would wake the loop, and the client would run dry with frames in hand.
-        Only future moments: a request already urgent waits on something that wakes the loop by itself (a
-        step in flight, a free decoder slot)."""
-        now = self._clock()
-        times = [t for req in self._reqs.values()
-                 if req.num_available and req.final_reason is None and (t := self._urgent_at(req)) > now]
+        A moment already past is returned too (a deadline can pass between ``schedule`` and this call); the
+        stage launches once for a given moment, so a request held for another reason (no free decoder slot,
+        steps in flight) does not make it spin."""
+        times = [self._urgent_at(req) for req in self._reqs.values()
+                 if req.num_available and req.final_reason is None and req.playback.first_audio_at is not None]
         return min(times, default=None)
 
     def fail(self, plan: CodecStepPlan, error: BaseException) -> list[Emit]:

@@ -163,7 +163,7 @@ class Attention(nn.Module):
         if self.qkv_weight is not None and s.rows is not None and FUSED_NORM_ROPE:
             from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope
 
-            _check_fused(self.qkv_weight, self.q_proj.weight)
+            _check_fused(self.qkv_weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
 
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
             q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
@@ -229,16 +229,28 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None and x.is_cuda:
             from omniloop.gpu.kernels.silu_mul import silu_mul
 
-            _check_fused(self.gate_up_weight, self.gate_proj.weight)
+            _check_fused(self.gate_up_weight, self.gate_proj.weight, self.up_proj.weight)
 
             return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _check_fused(fused: torch.Tensor, first: torch.Tensor) -> None:
+def _is_fused(fused: torch.Tensor | None, *parts: torch.Tensor) -> bool:
+    """Every part is still the view of ``fused`` that ``_fuse`` made (same dtype, its rows, in order)."""
+    if fused is None:
+        return False
+    offset = fused.data_ptr()
+    for p in parts:
+        if p.dtype != fused.dtype or p.data_ptr() != offset:
+            return False
+        offset += p.numel() * p.element_size()
+    return True
+
+
+def _check_fused(fused: torch.Tensor, *parts: torch.Tensor) -> None:
     """The separate parameters must still be views of the fused tensor: a ``.to()`` or a load that replaced
-    them after ``fuse`` would leave the fused matmul on stale weights, silently."""
-    if first.data_ptr() != fused.data_ptr():
+    any of them after ``fuse`` would leave the fused matmul on stale weights, silently."""
+    if not _is_fused(fused, *parts):
         raise RuntimeError("fused projection weights are stale (parameters were replaced after fuse()); "
                            "call Qwen3TtsModel.fuse_projections() again")
 
@@ -285,6 +297,13 @@ class DecoderStack(nn.Module):
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def is_fused(self) -> bool:
+        """Every layer's fused weights are current (no parameter replaced since ``fuse``)."""
+        return all(_is_fused(a.qkv_weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+                   and (a.qkv_bias is None or _is_fused(a.qkv_bias, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+                   and _is_fused(m.gate_up_weight, m.gate_proj.weight, m.up_proj.weight)
+                   for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 slots: torch.Tensor | None, kv_len: int) -> torch.Tensor:

@@ -117,10 +117,9 @@ class Qwen3TtsModel(nn.Module):
     def fuse_projections(self) -> None:
         """Fused QKV and gate/up weights in the talker and code predictor (CUDA: fewer, larger matmuls).
         Idempotent; parameters stay in place as views, so loading and ``module_bytes`` see the same tensors."""
-        mlp = self.talker.model.layers[0].mlp
-        if mlp.gate_up_weight is None or mlp.gate_up_weight.data_ptr() != mlp.gate_proj.weight.data_ptr():
-            self.talker.model.fuse()  # first time, or the parameters were replaced (moved, reloaded) since
-            self.code_predictor.model.fuse()
+        for stack in (self.talker.model, self.code_predictor.model):
+            if not stack.is_fused():
+                stack.fuse()  # first time, or some of its parameters were replaced (moved, reloaded) since
 
     # ----------------------------------------------------------------------------- cache
     def allocate(self, num_slots: int, max_len: int, max_trailing: int = 256) -> TalkerCache:
