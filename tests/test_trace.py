@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from omniloop.actors.engine import Engine
 from omniloop.actors.trace import ENV_DIR, merge_traces, summarize
 from omniloop.profile import load_profile
 from omniloop.transport.messages import SpeechRequest
 
 
-async def test_trace_records_every_stage_step_and_request(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("threads", [False, True])
+async def test_trace_records_every_stage_step_and_request(tmp_path, monkeypatch, threads: bool) -> None:
+    """Stage processes, or stages as threads of this process (one OS pid, still one track per stage)."""
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "parts"))
-    profile = load_profile("fake", ["stages.talker.options.step_ms=5"], platform="cpu")  # stage processes
+    sets = ["stages.talker.options.step_ms=5"]
+    if threads:
+        sets += ["stages.talker.placement=thread", "stages.codec.placement=thread", "transport=inproc"]
+    profile = load_profile("fake", sets, platform="cpu")
     engine = await Engine.start(profile)
     try:
         for i in range(3):

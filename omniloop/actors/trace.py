@@ -13,6 +13,7 @@ an async span on the frontend from submit to finish, with its first audio as an 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -27,9 +28,14 @@ def now_us() -> float:
     return time.monotonic_ns() / 1000.0
 
 
+_TRACERS = itertools.count()  # per process: actors placed as threads share a pid but not a trace track
+
+
 class Tracer:
     def __init__(self, name: str, directory: str | None = None) -> None:
         self.name = name
+        # the trace's "process" id: the OS pid alone would merge thread-placed stages into one track
+        self.pid = os.getpid() * 1000 + next(_TRACERS) % 1000
         self.directory = directory if directory is not None else os.environ.get(ENV_DIR)
         self.events: list[dict[str, Any]] = []
         self.num_dropped = 0
@@ -40,7 +46,7 @@ class Tracer:
 
     def _add(self, event: dict[str, Any]) -> None:
         if len(self.events) < MAX_EVENTS:
-            event["pid"] = os.getpid()
+            event["pid"] = self.pid
             self.events.append(event)
         else:
             self.num_dropped += 1
@@ -69,9 +75,9 @@ class Tracer:
         """Write this actor's events (once, at close); returns the file, or None when tracing is off."""
         if not self.enabled:
             return None
-        path = Path(self.directory) / f"{self.name}-{os.getpid()}.json"
+        path = Path(self.directory) / f"{self.name}-{self.pid}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"ph": "M", "name": "process_name", "pid": os.getpid(), "tid": 0, "args": {"name": self.name}}
+        meta = {"ph": "M", "name": "process_name", "pid": self.pid, "tid": 0, "args": {"name": self.name}}
         with open(path, "w") as f:
             json.dump({"traceEvents": [meta, *self.events], "dropped": self.num_dropped}, f)
         self.events = []
