@@ -26,33 +26,23 @@ from omniloop.models import fake
 from omniloop.models.registry import Worker, register
 from omniloop.profile import load_profile
 from omniloop.transport.messages import SpeechRequest
+from tests.holding_codec import HoldingCodec
 
 EARLY_S = 0.0015
 
 
-class _LaggingHoldingCodec(fake.CodecScheduler):
-    """The fake codec, except that a request's frames wait ``hold_s`` after it arrived; the next
-    ``next_wakeup`` reads the clock ``lag_once_s`` after it is called (a GIL switch) when that is set."""
+class _LaggingHoldingCodec(HoldingCodec):
+    """``HoldingCodec``, except that the next ``next_wakeup`` reads the clock ``lag_once_s`` after it is called
+    (a GIL switch) when that is set."""
 
     hold_s = 0.05
     lag_once_s = 0.0
-
-    def on_add(self, seq):
-        self.hold_until = getattr(self, "hold_until", {})
-        self.hold_until[seq.req_id] = time.monotonic() + self.hold_s
-        return super().on_add(seq)
-
-    def is_runnable(self, seq) -> bool:
-        return time.monotonic() >= self.hold_until[seq.req_id] and super().is_runnable(seq)
 
     def next_wakeup(self) -> float | None:
         lag, type(self).lag_once_s = type(self).lag_once_s, 0.0
         if lag:
             time.sleep(lag)
-        now = time.monotonic()
-        held = [self.hold_until[s.req_id] for s in self._seqs.values()
-                if self.hold_until[s.req_id] > now and fake.CodecScheduler.is_runnable(self, s)]
-        return min(held, default=None)
+        return super().next_wakeup()
 
 
 @register("fake.lagging_holding_codec")

@@ -7,35 +7,9 @@ import asyncio
 import time
 
 from omniloop.actors.engine import Engine
-from omniloop.models import fake
-from omniloop.models.registry import Worker, register
 from omniloop.profile import load_profile
 from omniloop.transport.messages import SpeechRequest
-
-HOLD_S = 0.3
-
-
-class _HoldingCodec(fake.CodecScheduler):
-    """The fake codec, except that a request's frames wait ``HOLD_S`` after it arrived."""
-
-    def on_add(self, seq):
-        self.hold_until = getattr(self, "hold_until", {})
-        self.hold_until[seq.req_id] = time.monotonic() + HOLD_S
-        return super().on_add(seq)
-
-    def is_runnable(self, seq) -> bool:
-        return time.monotonic() >= self.hold_until[seq.req_id] and super().is_runnable(seq)
-
-    def next_wakeup(self) -> float | None:
-        now = time.monotonic()
-        held = [self.hold_until[s.req_id] for s in self._seqs.values()
-                if self.hold_until[s.req_id] > now and fake.CodecScheduler.is_runnable(self, s)]
-        return min(held, default=None)
-
-
-@register("fake.holding_codec")
-def _build(stage, profile) -> Worker:
-    return fake._worker(_HoldingCodec, lambda p: fake.decode_codes(p[1]), stage, profile)
+from tests.holding_codec import HOLD_S
 
 
 async def test_held_back_work_runs_when_its_deadline_passes() -> None:
