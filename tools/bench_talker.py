@@ -114,22 +114,28 @@ def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: in
     return rows
 
 
+def _admit_plan(model: Qwen3TtsModel, step_id: int, b: int, prompt_len: int) -> ArStepPlan:
+    """A plan that admits ``b`` sampled requests in slots 0..b-1, each with a random ``prompt_len``-token prompt,
+    and prefills them whole (their first frame is sampled in the frame step)."""
+    h = model.cfg.talker.decoder.hidden_size
+    new, seqs = [], []
+    for slot in range(b):
+        prompt = Prompt(embeds=torch.randn(prompt_len, h, device="cuda", dtype=model.dtype),
+                        trailing=torch.randn(4, h, device="cuda", dtype=model.dtype))
+        inputs = TtsInput(task="base", input_ids=torch.zeros(9, dtype=torch.int64), sampling=SAMPLED, seed=slot)
+        new.append(ArNew(f"r{slot}", slot, _Payload(inputs, prompt)))
+        seqs.append(ArSeq(f"r{slot}", slot, 0, prompt_len, True, False))
+    return ArStepPlan(step_id, seqs, new)
+
+
 async def _runner_steps(model: Qwen3TtsModel, b: int, context: int, steps: int) -> float:
     """Seconds per decode plan, steady state, 2 plans in flight, through ``submit``."""
     max_len = context + steps + 16
     runner = TalkerRunner(model, device="cuda", max_num_seqs=b, max_len=max_len, use_cuda_graphs=True,
                           graph_buckets=((b,), (max_len,)))
-    h = model.cfg.talker.decoder.hidden_size
     try:
         prompt_len = context - 1
-        new, seqs = [], []
-        for slot in range(b):
-            prompt = Prompt(embeds=torch.randn(prompt_len, h, device="cuda", dtype=model.dtype),
-                            trailing=torch.randn(4, h, device="cuda", dtype=model.dtype))
-            inputs = TtsInput(task="base", input_ids=torch.zeros(9, dtype=torch.int64), sampling=SAMPLED, seed=slot)
-            new.append(ArNew(f"r{slot}", slot, _Payload(inputs, prompt)))
-            seqs.append(ArSeq(f"r{slot}", slot, 0, prompt_len, True, False))
-        await runner.submit(ArStepPlan(0, seqs, new))
+        await runner.submit(_admit_plan(model, 0, b, prompt_len))
         pending: list[asyncio.Future] = []
         t0 = 0.0
         for k in range(steps):
@@ -222,7 +228,6 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str]) -> list[dict]:
     torch.profiler's top CPU and CUDA ops of one plan."""
     from omniloop.gpu.talker_runner import TalkerSteps
 
-    h = model.cfg.talker.decoder.hidden_size
     rows = []
     max_b = max(int(s.split("x")[0]) for s in shapes)
     stream = torch.cuda.Stream()
@@ -232,19 +237,8 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str]) -> list[dict]:
         for shape in shapes:
             b, n = (int(v) for v in shape.split("x"))
 
-            def plan(k: int, b=b, n=n) -> ArStepPlan:
-                new, seqs = [], []
-                for slot in range(b):
-                    prompt = Prompt(embeds=torch.randn(n, h, device="cuda", dtype=model.dtype),
-                                    trailing=torch.randn(4, h, device="cuda", dtype=model.dtype))
-                    inputs = TtsInput(task="base", input_ids=torch.zeros(9, dtype=torch.int64), sampling=SAMPLED,
-                                      seed=slot)
-                    new.append(ArNew(f"r{slot}", slot, _Payload(inputs, prompt)))
-                    seqs.append(ArSeq(f"r{slot}", slot, 0, n, True, False))
-                return ArStepPlan(k, seqs, new)
-
-            def run(k: int = 0) -> None:
-                steps.run(plan(k))
+            def run(k: int = 0, b=b, n=n) -> None:
+                steps.run(_admit_plan(model, k, b, n))
                 stream.synchronize()
 
             for k in range(3):
