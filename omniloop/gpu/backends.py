@@ -1,4 +1,5 @@
-"""Process-wide torch backend choices for a stage on CUDA.
+"""Process-wide torch backend choices for a stage on CUDA (``registry.build_worker`` applies them before any
+GPU stage is built).
 
 cuDNN's fused attention builds an execution plan the first time it sees a shape, which took ~0.8-1 s per
 new prefill shape on the H200 (benchmarks/pipeline.md): every admission with an unseen prompt length

@@ -101,6 +101,10 @@ def build_worker(stage: Any, profile: Any) -> Worker:
         known = sorted(k for k in _builders if k.startswith(family_of(stage.model) + "."))
         raise KeyError(f"stage {stage.name!r}: no model registered as {stage.model!r} (known: {known})")
     with _BUILD_LOCK:
+        if stage.device != "cpu":
+            from omniloop.gpu.backends import configure_cuda_stage  # torch only for a GPU stage
+
+            configure_cuda_stage()
         return builder(stage, profile)
 
 

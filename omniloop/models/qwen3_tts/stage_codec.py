@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.gpu.runner import CpuRunner
 from omniloop.log import get_logger
 from omniloop.models.qwen3_tts.family import resolve_checkpoint
@@ -108,10 +107,8 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
     is_cuda = torch.device(stage.device).type == "cuda"
     budget = None
-    if is_cuda:
-        configure_cuda_stage()
-        if stage.gpu_memory_fraction is not None:
-            budget = CodecMemoryBudget(stage.name, stage.device, stage.gpu_memory_fraction, warmup_frames)
+    if is_cuda and stage.gpu_memory_fraction is not None:
+        budget = CodecMemoryBudget(stage.name, stage.device, stage.gpu_memory_fraction, warmup_frames)
     if is_cuda and cudnn_benchmark:
         # cuDNN's heuristic picks a ~30 TFLOP/s fallback for one of the decoder's dilated convs (5.9 of
         # 27 ms of a 64 x 8-frame step on an H200, benchmarks/codec-steps.md); timed choice avoids it,

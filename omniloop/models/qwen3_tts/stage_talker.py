@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from omniloop.errors import RequestError
-from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.models.qwen3_tts.audio import load_audio
 from omniloop.models.qwen3_tts.checkpoint import build_model
 from omniloop.models.qwen3_tts.config import TtsConfig
@@ -123,8 +122,6 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     if opts:
         raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.talker "
                          "(known: max_model_len, cuda_graphs, max_ref_seconds)")
-    if torch.device(stage.device).type == "cuda":
-        configure_cuda_stage()
     model, _ = build_model(ckpt.path, load_format=ckpt.load_format, device=stage.device,
                            dtype=_torch_dtype(stage.dtype), seed=profile.seed)
     cfg = model.cfg
