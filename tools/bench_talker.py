@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets
 from omniloop.gpu.kv_budget import module_bytes
 from omniloop.gpu.talker_runner import TalkerRunner
@@ -60,6 +61,21 @@ def count_gpu_ops(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def kernel_table(fn, top: int = 45) -> list[tuple[str, int, float]]:
+    """(kernel name, launches, total us) of one call, most launches first: where the op count comes from."""
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = table.setdefault(e.name[:90], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total
+    return sorted(((k, int(n), round(us, 1)) for k, (n, us) in table.items()), key=lambda r: -r[1])[:top]
+
+
 def graph_of(fn) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -73,7 +89,8 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
 
 
 @torch.no_grad()
-def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: int) -> list[dict]:
+def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: int,
+                 kernels: bool = False) -> list[dict]:
     from omniloop.gpu.talker_state import TalkerState
 
     model.fuse_projections()  # as the CUDA runner does
@@ -108,6 +125,8 @@ def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: in
                 frame_graph_ms=time_ms(frame_graph, iters), frame_eager_ms=time_ms(eager, max(3, iters // 10)),
                 talker_graph_ms=time_ms(talker_only.replay, iters), cp_graph_ms=time_ms(cp_only.replay, iters),
                 floor_talker_ms=floor_talker, floor_cp_ms=floor_cp))
+            if kernels:
+                rows[-1]["kernels_per_frame"] = kernel_table(eager)
             print(json.dumps(rows[-1]), flush=True)
     stream.synchronize()
     model.cache = None
@@ -251,11 +270,12 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str]) -> list[dict]:
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:
                 run()
             table = prof.key_averages()
-            top_cuda = sorted(table, key=lambda e: -e.device_time_total)[:12]
+            kernels = [e for e in table if not e.key.startswith("aten::") and e.self_device_time_total > 0]
+            top_cuda = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
             top_cpu = sorted(table, key=lambda e: -e.self_cpu_time_total)[:12]
             row = dict(batch=b, tokens=n, plan_ms=ms,
                        cuda_total_ms=sum(e.self_device_time_total for e in table) / 1e3,
-                       top_cuda=[(e.key[:60], e.count, round(e.device_time_total / 1e3, 2)) for e in top_cuda],
+                       top_cuda=[(e.key[:70], e.count, round(e.self_device_time_total / 1e3, 2)) for e in top_cuda],
                        top_cpu=[(e.key[:60], e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in top_cpu])
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -273,11 +293,13 @@ def main() -> None:
     parser.add_argument("--sampling", action="store_true", help="only the sampling cost breakdown")
     parser.add_argument("--no-fused-norm-rope", action="store_true", help="torch q/k norm + rope on CUDA")
     parser.add_argument("--prefill", nargs="*", help="only prefill plans of BxL, e.g. 1x120 36x120")
+    parser.add_argument("--kernels", action="store_true", help="also list the kernels of one frame by launches")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_fused_norm_rope:
         layers.FUSED_NORM_ROPE = False
     torch.manual_seed(0)
+    configure_cuda_stage()  # as every GPU stage of the engine runs (cuDNN attention off)
     cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))  # the released 1.7B shapes
     model = Qwen3TtsModel(cfg, device="cuda", dtype=torch.bfloat16).eval()  # random init: timing only
     with torch.no_grad():
@@ -295,7 +317,7 @@ def main() -> None:
             with open(args.out, "w") as fh:
                 json.dump(rows, fh, indent=1)
         return
-    rows = bench_pieces(model, args.batch, args.context, args.iters)
+    rows = bench_pieces(model, args.batch, args.context, args.iters, kernels=args.kernels)
     for row in rows:
         per_plan = asyncio.run(_runner_steps(model, row["batch"], args.context, args.runner_steps))
         row["runner_plan_ms"] = per_plan * 1e3

@@ -184,11 +184,14 @@ class StageActor:
         self._send([Emit("frontend", Finish(exc.req_id, Reason.ERROR.value, error=str(exc), stage=self.stage.name))])
 
     # ---- wake-up 2: a step completed
-    def _on_step_done(self, plan: Any, started: float, lane: int, future: asyncio.Future) -> None:
+    def _on_step_done(self, plan: Any, started: float, lane: int, host_ms: tuple[float, float],
+                      future: asyncio.Future) -> None:
         self.num_in_flight -= 1
         self._free_lanes.append(lane)
         if self.tracer.enabled:
-            self.tracer.span("step", started * 1e6, now_us(), lane, **_plan_size(plan))
+            # host time on the loop thread: planning it, and submitting it (the runner's launches)
+            self.tracer.span("step", started * 1e6, now_us(), lane, **_plan_size(plan),
+                             schedule_ms=round(host_ms[0], 3), submit_ms=round(host_ms[1], 3))
         if self.is_stopping:  # steps failed by the runner's close: nobody is waiting for them any more
             if not future.cancelled():
                 future.exception()
@@ -210,6 +213,7 @@ class StageActor:
     # ---- launch
     def _launch(self) -> None:
         while not self.is_stopping and self.num_in_flight < self.stage.max_in_flight and not self._is_congested():
+            planning = time.monotonic()
             plan = self.scheduler.schedule()
             if plan is None:
                 break
@@ -217,7 +221,8 @@ class StageActor:
             lane = self._free_lanes.pop()
             started = time.monotonic()  # the tracer's clock: one CLOCK_MONOTONIC for every process
             future = self.runner.submit(plan)
-            future.add_done_callback(functools.partial(self._on_step_done, plan, started, lane))
+            host_ms = ((started - planning) * 1e3, (time.monotonic() - started) * 1e3)
+            future.add_done_callback(functools.partial(self._on_step_done, plan, started, lane, host_ms))
         self._arm_timer()
 
     def _arm_timer(self) -> None:

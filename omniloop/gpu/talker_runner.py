@@ -33,6 +33,8 @@ from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan, ArStepResult
 
 
+HIGH_PRIORITY = -100  # torch maps it to the device's highest stream priority
+
 _INPUT_TENSORS = ("input_ids", "instruct_ids", "ref_ids", "ref_code", "x_vector")
 
 
@@ -229,7 +231,9 @@ class CudaTalkerRunner(Runner):
                  graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
         super().__init__(doorway)
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        # the highest priority the device has: where stages share a process (placement thread), the GPU's
+        # block scheduler dispatches the talker's short, latency-bound kernels ahead of the codec's long ones
+        self.stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
         buckets = None
         if use_cuda_graphs:
             buckets = graph_buckets or (batch_buckets(max_num_seqs), kv_buckets(max_len))

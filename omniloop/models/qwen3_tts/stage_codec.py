@@ -34,10 +34,23 @@ class CodecRunner(CpuRunner):
     def __init__(self, streams: CodecStreams, name: str = "codec") -> None:
         super().__init__(name)
         self.streams = streams
+        # its own stream at normal priority (below the talker's): in a shared process the talker's kernels go
+        # first, and nothing waits on the legacy default stream
+        self._stream = None
+        self._device = getattr(streams, "device", torch.device("cpu"))
+        if self._device.type == "cuda":
+            self._stream = torch.cuda.Stream(self._device)
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))  # the warm-up's writes first
         self._owner: dict[int, str] = {}  # scheduler slot -> req_id whose stream is open there
 
     @torch.inference_mode()
     def step(self, plan: CodecStepPlan) -> CodecStepResult:
+        if self._stream is None:
+            return self._step(plan)
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            return self._step(plan)
+
+    def _step(self, plan: CodecStepPlan) -> CodecStepResult:
         for seq in plan.seqs:
             if seq.is_first:
                 stale = self._owner.pop(seq.slot, None)
