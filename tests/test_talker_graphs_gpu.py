@@ -105,3 +105,27 @@ def test_plans_never_synchronize_the_host() -> None:
             assert errors is None and codes.shape == (2, 16)
     finally:
         model.cache = None
+
+
+def test_prefill_graphs_equal_the_eager_prefill_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces from position 0 go through a captured prefill graph (padded to its bucket), later pieces of a
+    chunked prompt eagerly; codes equal the all-eager prefill and ``generate`` in float32."""
+    from omniloop.gpu.prefill_graphs import PrefillGraphs
+
+    model = _cuda_model(torch.float32)
+    replays: list[tuple[int, int]] = []
+    original = PrefillGraphs.run
+
+    def counted(self, bucket, pieces, slots):  # noqa: ANN001, ANN202
+        replays.append(bucket)
+        return original(self, bucket, pieces, slots)
+
+    monkeypatch.setattr(PrefillGraphs, "run", counted)
+    kw = dict(model=model, device="cuda", use_cuda_graphs=True, graph_buckets=BUCKETS)
+    graphed = _run(_jobs(), 8, MAX_LEN, **kw)
+    assert replays, "no prefill went through a graph"
+    assert all(rows * tokens <= 8 * MAX_LEN for rows, tokens in replays)
+    eager = _run(_jobs(), 8, MAX_LEN, prefill_graphs=False, **kw)
+    for job in _jobs():
+        assert torch.equal(graphed[job.req_id], eager[job.req_id]), job.req_id
+        assert torch.equal(graphed[job.req_id], _expected(job.inp, model)), job.req_id

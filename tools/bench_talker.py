@@ -241,7 +241,7 @@ def bench_sampling(batch: list[int]) -> list[dict]:
 
 
 @torch.no_grad()
-def bench_prefill(model: Qwen3TtsModel, shapes: list[str]) -> list[dict]:
+def bench_prefill(model: Qwen3TtsModel, shapes: list[str], prefill_graphs: bool = True) -> list[dict]:
     """Prefill steps as the runner runs them (``TalkerSteps.run`` of a plan that admits B requests with
     L-token prompts and prefills them whole, the first frame sampled in the frame step): ms per plan, and
     torch.profiler's top CPU and CUDA ops of one plan."""
@@ -252,7 +252,7 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str]) -> list[dict]:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         steps = TalkerSteps(model, torch.device("cuda"), max_b, 4096, (tuple(batch_buckets(max_b)), (256, 4096)),
-                            stream)
+                            stream, prefill_graphs=prefill_graphs)
         for shape in shapes:
             b, n = (int(v) for v in shape.split("x"))
 
@@ -293,6 +293,7 @@ def main() -> None:
     parser.add_argument("--sampling", action="store_true", help="only the sampling cost breakdown")
     parser.add_argument("--no-fused-norm-rope", action="store_true", help="torch q/k norm + rope on CUDA")
     parser.add_argument("--prefill", nargs="*", help="only prefill plans of BxL, e.g. 1x120 36x120")
+    parser.add_argument("--no-prefill-graphs", action="store_true", help="--prefill: the eager prefill")
     parser.add_argument("--kernels", action="store_true", help="also list the kernels of one frame by launches")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -310,7 +311,7 @@ def main() -> None:
           f"fused norm+rope {layers.FUSED_NORM_ROPE}, talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
     if args.compile or args.sampling or args.prefill:
         if args.prefill:
-            rows = bench_prefill(model, args.prefill)
+            rows = bench_prefill(model, args.prefill, prefill_graphs=not args.no_prefill_graphs)
         else:
             rows = bench_compiled_cp(model, args.batch) if args.compile else bench_sampling(args.batch)
         if args.out:

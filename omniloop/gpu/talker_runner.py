@@ -26,6 +26,7 @@ from omniloop.actors.doorway import Doorway
 from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets, kv_buckets
 from omniloop.gpu.kv_budget import module_bytes, size_talker_kv
 from omniloop.gpu.observer import CudaObserver
+from omniloop.gpu.prefill_graphs import PrefillGraphs
 from omniloop.gpu.runner import CpuRunner, Runner
 from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompt
@@ -49,13 +50,17 @@ class TalkerSteps:
     """The device work of one plan, shared by the CPU and CUDA runners; returns codes on the device."""
 
     def __init__(self, model: Qwen3TtsModel, device: torch.device, max_num_seqs: int, max_len: int,
-                 graphs: tuple[tuple[int, ...], tuple[int, ...]] | None, stream: torch.cuda.Stream | None) -> None:
+                 graphs: tuple[tuple[int, ...], tuple[int, ...]] | None, stream: torch.cuda.Stream | None,
+                 prefill_graphs: bool = True) -> None:
         self.model, self.device = model, device
         if device.type == "cuda":
             model.fuse_projections()
         self.eos = model.cfg.talker.codec_eos_id
         self.state = TalkerState.allocate(model, max_num_seqs, max_len, max_trailing=max_len)
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
+        self.prefill_graphs = None
+        if graphs is not None and prefill_graphs:
+            self.prefill_graphs = PrefillGraphs(self.state, stream, max_rows=max_num_seqs)
         # a voice clone's reference frames, sent with its first frame so the codec primes its state
         self.context: dict[int, np.ndarray] = {}
         # slot -> why its request could not be admitted; its later pieces (already planned: async overlap)
@@ -135,14 +140,13 @@ class TalkerSteps:
         return t.to(self.device)
 
     def _prefill(self, seqs: list[ArSeq]) -> list[int]:
-        """One right-padded forward over every piece. For pieces that end their prompt, the last hidden is
-        parked in the slot's ``pending_hidden``: the frame step samples their first frame (``_decode``).
-        Returns the indices into ``seqs`` of those pieces."""
+        """Batched, right-padded forwards over every piece: pieces from position 0 through a captured graph
+        when one fits, the others (and all, without graphs) in one eager call. For pieces that end their
+        prompt, the last hidden is parked in the slot's ``pending_hidden``: the frame step samples their first
+        frame (``_decode``). Returns the indices into ``seqs`` of those pieces."""
         state, max_len = self.state, self.state.max_len
-        longest = max(seq.num_tokens for seq in seqs)
-        pos = np.full((len(seqs), longest), max_len, dtype=np.int64)  # padding writes the scratch position
         pieces = []
-        for i, seq in enumerate(seqs):  # packing only; the forward below is one batched call
+        for seq in seqs:  # checks and packing only; the forwards below are batched calls
             prompt = state.prompts.get(seq.slot)
             end = seq.start + seq.num_tokens
             if prompt is None or end > prompt.shape[0]:
@@ -152,21 +156,44 @@ class TalkerSteps:
             if end > max_len:
                 raise ValueError(f"request {seq.req_id!r}: prompt positions up to {end} exceed max_len {max_len}")
             pieces.append(prompt[seq.start:end])
-            pos[i, : seq.num_tokens] = np.arange(seq.start, end)
-        x = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)
-        slots = np.array([seq.slot for seq in seqs], dtype=np.int64)
-        kv_len = max(seq.start + seq.num_tokens for seq in seqs)
-        hidden = self.model.talker.model(x, self._h2d(pos), state.cache.k, state.cache.v, self._h2d(slots), kv_len)
-        sampled = [i for i, seq in enumerate(seqs) if seq.is_sample]
+        whole = [i for i, seq in enumerate(seqs) if seq.start == 0] if self.prefill_graphs is not None else []
+        bucket = None
+        if whole:
+            bucket = self.prefill_graphs.bucket(len(whole), max(seqs[i].num_tokens for i in whole))
+        graphed = whole if bucket is not None else []
+        eager = [i for i in range(len(seqs)) if i not in set(graphed)]
+        if graphed:
+            slots = np.array([seqs[i].slot for i in graphed], dtype=np.int64)
+            hidden = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)
+            self._park([seqs[i] for i in graphed], hidden)
+        if eager:
+            self._park([seqs[i] for i in eager], self._prefill_eager([seqs[i] for i in eager], [pieces[i] for i in eager]))
         for seq in seqs:
             if seq.start + seq.num_tokens == state.prompts[seq.slot].shape[0]:
                 del state.prompts[seq.slot]  # the stream still uses it; the caching allocator orders the reuse
-        if sampled:
-            rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
-            rows_last_d = self._h2d(rows_last)
-            last = hidden[rows_last_d[0], rows_last_d[1]]
-            state.pending_hidden.index_copy_(0, self._h2d(slots[sampled]), last.to(state.pending_hidden.dtype))
-        return sampled
+        return [i for i, seq in enumerate(seqs) if seq.is_sample]
+
+    def _prefill_eager(self, seqs: list[ArSeq], pieces: list[torch.Tensor]) -> torch.Tensor:
+        state = self.state
+        longest = max(seq.num_tokens for seq in seqs)
+        pos = np.full((len(seqs), longest), state.max_len, dtype=np.int64)  # padding writes the scratch position
+        for i, seq in enumerate(seqs):
+            pos[i, : seq.num_tokens] = np.arange(seq.start, seq.start + seq.num_tokens)
+        x = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)
+        slots = np.array([seq.slot for seq in seqs], dtype=np.int64)
+        kv_len = max(seq.start + seq.num_tokens for seq in seqs)
+        return self.model.talker.model(x, self._h2d(pos), state.cache.k, state.cache.v, self._h2d(slots), kv_len)
+
+    def _park(self, seqs: list[ArSeq], hidden: torch.Tensor) -> None:
+        """Row i of ``hidden`` is ``seqs[i]``'s piece: park the last hidden of each piece that samples."""
+        sampled = [i for i, seq in enumerate(seqs) if seq.is_sample]
+        if not sampled:
+            return
+        rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
+        rows_last_d = self._h2d(rows_last)
+        last = hidden[rows_last_d[0], rows_last_d[1]]
+        slots = self._h2d(np.array([seqs[i].slot for i in sampled], dtype=np.int64))
+        self.state.pending_hidden.index_copy_(0, slots, last.to(self.state.pending_hidden.dtype))
 
     def _decode(self, seqs: list[ArSeq], fresh_slots: list[int]) -> torch.Tensor:
         """The frame step for rows ``0..B-1`` (B >= the highest decoding or fresh slot + 1): decodes ``seqs``
@@ -228,7 +255,8 @@ class CpuTalkerRunner(CpuRunner):
 class CudaTalkerRunner(Runner):
     def __init__(self, model: Qwen3TtsModel, *, device: torch.device, max_num_seqs: int, max_len: int,
                  use_cuda_graphs: bool, doorway: Doorway | None = None,
-                 graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
+                 graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                 prefill_graphs: bool = True) -> None:
         super().__init__(doorway)
         self.device = device
         # the highest priority the device has: where stages share a process (placement thread), the GPU's
@@ -238,7 +266,8 @@ class CudaTalkerRunner(Runner):
         if use_cuda_graphs:
             buckets = graph_buckets or (batch_buckets(max_num_seqs), kv_buckets(max_len))
         with torch.cuda.device(device), torch.cuda.stream(self.stream):
-            self.steps: TalkerSteps | None = TalkerSteps(model, device, max_num_seqs, max_len, buckets, self.stream)
+            self.steps: TalkerSteps | None = TalkerSteps(model, device, max_num_seqs, max_len, buckets, self.stream,
+                                                         prefill_graphs=prefill_graphs)
         self.stream.synchronize()  # start-up only: allocation and capture are done before the first step
         self._observer = self.add_observer(CudaObserver(self.doorway, name="talker-cuda-observer"))
 
@@ -269,9 +298,10 @@ class CudaTalkerRunner(Runner):
 def TalkerRunner(model: Qwen3TtsModel, *, device: torch.device | str, max_num_seqs: int, max_len: int,  # noqa: N802
                  use_cuda_graphs: bool, doorway: Doorway | None = None, gpu_memory_fraction: float | None = None,
                  graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-                 stage: str = "talker") -> CpuTalkerRunner | CudaTalkerRunner:
+                 stage: str = "talker", prefill_graphs: bool = True) -> CpuTalkerRunner | CudaTalkerRunner:
     """The talker runner for ``device``: the CUDA runner (graphs optional) or the CPU one.
 
+    ``prefill_graphs`` (CUDA, with ``use_cuda_graphs``): also capture the batched prefill (``PrefillGraphs``).
     ``gpu_memory_fraction`` (CUDA): check that ``max_num_seqs`` x ``max_len`` fits the stage's share of
     device memory before allocating, with an error naming the numbers (see ``kv_budget``)."""
     device = torch.device(device)
@@ -282,4 +312,5 @@ def TalkerRunner(model: Qwen3TtsModel, *, device: torch.device | str, max_num_se
         size_talker_kv(stage, model.cfg, model.dtype, max_num_seqs=max_num_seqs, total_bytes=total,
                        gpu_memory_fraction=gpu_memory_fraction, weight_bytes=module_bytes(model), max_len=max_len)
     return CudaTalkerRunner(model, device=device, max_num_seqs=max_num_seqs, max_len=max_len,
-                            use_cuda_graphs=use_cuda_graphs, doorway=doorway, graph_buckets=graph_buckets)
+                            use_cuda_graphs=use_cuda_graphs, doorway=doorway, graph_buckets=graph_buckets,
+                            prefill_graphs=prefill_graphs)

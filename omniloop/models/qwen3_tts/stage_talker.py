@@ -118,10 +118,11 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     opts = dict(stage.options)
     max_model_len = int(opts.pop("max_model_len", DEFAULT_MAX_MODEL_LEN))
     use_graphs = bool(opts.pop("cuda_graphs", stage.device.startswith("cuda")))
+    prefill_graphs = bool(opts.pop("prefill_cuda_graphs", use_graphs))
     max_ref_seconds = float(opts.pop("max_ref_seconds", 60.0))
     if opts:
         raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.talker "
-                         "(known: max_model_len, cuda_graphs, max_ref_seconds)")
+                         "(known: max_model_len, cuda_graphs, prefill_cuda_graphs, max_ref_seconds)")
     model, _ = build_model(ckpt.path, load_format=ckpt.load_format, device=stage.device,
                            dtype=_torch_dtype(stage.dtype), seed=profile.seed)
     cfg = model.cfg
@@ -129,7 +130,8 @@ def build_talker(stage: Any, profile: Any) -> Worker:
              if cfg.model_type == "base" else None)
     runner = TalkerRunner(model, device=stage.device, max_num_seqs=stage.max_num_seqs,
                           max_len=max_model_len, use_cuda_graphs=use_graphs,
-                          gpu_memory_fraction=stage.gpu_memory_fraction, stage=stage.name)
+                          gpu_memory_fraction=stage.gpu_memory_fraction, stage=stage.name,
+                          prefill_graphs=prefill_graphs)
     if torch.device(stage.device).type == "cuda":
         log.info("talker_ready_on_gpu", stage=stage.name, max_num_seqs=stage.max_num_seqs, max_model_len=max_model_len,
                  reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))

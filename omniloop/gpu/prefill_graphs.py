@@ -1,0 +1,101 @@
+"""CUDA graphs of the talker's batched prefill forward, one per (rows, tokens) bucket.
+
+Eager, a prefill plan launches ~25 kernels per layer from Python: on the H200 that kept the talker's
+loop thread busy 35-120 ms per admission plan (the GPU work itself is a fraction of it), and no decode
+step could be submitted meanwhile (benchmarks/pipeline.md). Replaying a captured forward costs the
+host one launch.
+
+A graph takes pieces that start at position 0 (whole prompts, or the first piece of a long one),
+right-padded to ``tokens`` positions in ``rows`` rows; attention reads keys ``[0, tokens)`` of each
+row's slot, masked per query position, so the keys past a piece's end (stale, from the slot's previous
+request) are never attended. Padding tokens and padding rows write their K/V on the scratch position
+(``max_len``) of slot 0 and their outputs are ignored. Pieces that start later (the rest of a chunked
+prompt) run eagerly. All graphs share one memory pool and one input buffer and are captured largest
+first; replays are serialized on the runner's stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omniloop.gpu.talker_state import TalkerState
+
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
+TOKEN_BUCKETS = (32, 64, 128, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+MAX_AREA = 8192  # rows x tokens of the largest graph (twice the profile's 4096-token step budget)
+
+
+class PrefillGraphs:
+    def __init__(self, state: TalkerState, stream: torch.cuda.Stream, max_rows: int,
+                 max_area: int = MAX_AREA) -> None:
+        self.state = state
+        model = state.model
+        hidden = model.cfg.talker.decoder.hidden_size
+        dev = state.step.device
+        tokens = tuple(t for t in TOKEN_BUCKETS if t <= state.max_len)
+        rows = tuple(r for r in ROW_BUCKETS if r < max_rows) + (max_rows,)
+        self.shapes = sorted(((r, t) for r in rows for t in tokens if r * t <= max_area),
+                             key=lambda rt: (rt[0] * rt[1], rt), reverse=True)
+        area = max((r * t for r, t in self.shapes), default=0)
+        self._x = torch.zeros(area, hidden, dtype=model.dtype, device=dev)
+        self._pos = torch.full((area,), state.max_len, dtype=torch.int64, device=dev)
+        self._slots = torch.zeros(max(rows, default=1), dtype=torch.int64, device=dev)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        with torch.no_grad():
+            for shape in self.shapes:
+                self._graphs[shape] = self._capture(stream, *shape)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _forward(self, rows: int, tokens: int) -> torch.Tensor:
+        s = self.state
+        x = self._x[:rows * tokens].view(rows, tokens, -1)
+        pos = self._pos[:rows * tokens].view(rows, tokens)
+        return s.model.talker.model(x, pos, s.cache.k, s.cache.v, self._slots[:rows], tokens)
+
+    def _capture(self, stream: torch.cuda.Stream, rows: int, tokens: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # every position is the scratch one here: warm-up and capture write no slot's real KV
+        with torch.cuda.stream(stream):
+            self._forward(rows, tokens)  # warm-up: lazy library init must not happen inside a capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+            out = self._forward(rows, tokens)
+        return graph, out
+
+    def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
+        """The captured shape of least area that holds ``num_rows`` pieces of up to ``longest`` tokens (None:
+        none does; run eagerly)."""
+        fits = [(r * t, r, t) for r, t in self._graphs if r >= num_rows and t >= longest]
+        return min(fits)[1:] if fits else None
+
+    def run(self, bucket: tuple[int, int], pieces: list[torch.Tensor], starts_zero_slots: np.ndarray) -> torch.Tensor:
+        """Prefill ``pieces`` (prompt embeds ``[n_i, H]`` from position 0) of slots ``starts_zero_slots`` in
+        bucket ``bucket``; returns the hidden states ``[rows, tokens, H]`` (row i = piece i), valid until
+        the next replay."""
+        rows, tokens = bucket
+        lens = np.array([p.shape[0] for p in pieces], dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))
+        total = int(lens.sum())
+        # one pinned host buffer: positions of the padded layout, the rows' slots, each token's padded row
+        host = np.empty(rows * tokens + rows + total, dtype=np.int64)
+        pos = host[:rows * tokens].reshape(rows, tokens)
+        pos.fill(self.state.max_len)
+        col = np.arange(tokens, dtype=np.int64)
+        valid = col[None, :] < lens[:, None]
+        pos[:len(pieces)][valid] = np.broadcast_to(col, (len(pieces), tokens))[valid]
+        slots = host[rows * tokens:rows * tokens + rows]
+        slots.fill(0)
+        slots[:len(pieces)] = starts_zero_slots
+        dest = host[rows * tokens + rows:]
+        dest[:] = np.repeat(np.arange(len(pieces), dtype=np.int64) * tokens - offsets, lens) + np.arange(total)
+        dev = torch.from_numpy(host).pin_memory().to(self._pos.device, non_blocking=True)
+        self._pos[:rows * tokens].copy_(dev[:rows * tokens])
+        self._slots[:rows].copy_(dev[rows * tokens:rows * tokens + rows])
+        self._x.index_copy_(0, dev[rows * tokens + rows:], torch.cat(pieces).to(self._x.dtype))
+        graph, out = self._graphs[bucket]
+        graph.replay()
+        return out
