@@ -83,14 +83,19 @@ class TalkerSteps:
         """Codes int64 ``[len(plan.seqs), 16]`` on the device (rows of seqs that did not sample are 0), the
         arrays to attach to some rows' chunks (``ArStepResult.extras``), and the rows whose request could
         not be admitted (``ArStepResult.errors``): a request-scoped failure must not fail the whole step."""
+        admitted: list[tuple[int, Prompt, TtsInput]] = []
         for new in plan.new:
             self.failed.pop(new.slot, None)
             try:
-                self._admit(new)
+                admitted.append((new.slot, *self._admit(new)))
             except Exception as exc:  # noqa: BLE001 - e.g. the voice encoder on this request's reference audio
                 self.state.prompts.pop(new.slot, None)
                 self.context.pop(new.slot, None)
                 self.failed[new.slot] = f"{type(exc).__name__}: {exc}"
+        if admitted:  # every admitted slot's state in one batched reset
+            self.state.reset_many([a[0] for a in admitted], [a[1].embeds.to(self.model.dtype) for a in admitted],
+                                  [a[1].trailing for a in admitted], [a[2].sampling or {} for a in admitted],
+                                  [a[2].seed for a in admitted])
         errors = None
         if self.failed:
             errors = {i: self.failed[seq.slot] for i, seq in enumerate(plan.seqs) if seq.slot in self.failed} or None
@@ -118,7 +123,8 @@ class TalkerSteps:
         index[unsampled] = offset
         return torch.cat(parts)[self._h2d(index)], extras, errors
 
-    def _admit(self, new: ArNew) -> None:
+    def _admit(self, new: ArNew) -> tuple[Prompt, TtsInput]:
+        """The request's prompt (built here unless the payload carries it); the slot is reset by the caller."""
         payload: TalkerPayload = new.payload
         inputs = payload.inputs
         if payload.prompt is not None:
@@ -128,11 +134,14 @@ class TalkerSteps:
             # flight, stalling the loop thread (build_prompt takes codec ids by host index, no copy at all)
             on_device = {f: self._to_device(getattr(inputs, f)) for f in _INPUT_TENSORS if getattr(inputs, f) is not None}
             prompt = build_prompt(self.model, dataclasses.replace(inputs, **on_device))
+        limit = self.state.cache.trailing.shape[1]
+        if prompt.trailing.shape[0] > limit:  # checked here: request-scoped, not a failed step
+            raise ValueError(f"trailing text of {prompt.trailing.shape[0]} positions exceeds the runner's "
+                             f"max_trailing={limit}")
         self.context.pop(new.slot, None)
         if inputs.ref_code is not None:
             self.context[new.slot] = inputs.ref_code.cpu().numpy().astype(np.int64)
-        self.state.reset(new.slot, prompt.embeds.to(self.model.dtype), prompt.trailing, inputs.sampling or {},
-                         inputs.seed)
+        return prompt, inputs
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda" and t.device.type == "cpu":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from omniloop.models.qwen3_tts.generate import GREEDY
@@ -63,18 +64,49 @@ class TalkerState:
         return self.cache.max_len
 
     def reset(self, slot: int, embeds: torch.Tensor, trailing: torch.Tensor, sampling: dict, seed: int) -> None:
-        """Start ``slot`` over for a new request. Only fills and device copies: no host sync (``t[slot] = x``
-        would be a pageable host-to-device copy, which waits for the step in flight)."""
-        if trailing.shape[0] > self.cache.trailing.shape[1]:
-            # growing would move the buffer that captured graphs read
-            raise ValueError(f"trailing text of {trailing.shape[0]} positions exceeds the runner's "
-                             f"max_trailing={self.cache.trailing.shape[1]}")
-        self.model.set_trailing(slot, trailing)  # also clears the code-0 history
-        row = {**GREEDY, **sampling, "seed": seed}
-        for f in fields(SamplingParams):
-            getattr(self.params, f.name)[slot:slot + 1].fill_(row[f.name])
-        self.step[slot:slot + 1].fill_(0)
-        self.prompts[slot] = embeds
+        """Start ``slot`` over for a new request (``reset_many`` of one)."""
+        self.reset_many([slot], [embeds], [trailing], [sampling], [seed])
+
+    def reset_many(self, slots: list[int], embeds: list[torch.Tensor], trailing: list[torch.Tensor],
+                   sampling: list[dict], seeds: list[int]) -> None:
+        """Start ``slots`` over for new requests: trailing text and code-0 history per slot, then every
+        sampling parameter and frame counter of all of them in one packed host-to-device copy and one
+        scatter per field (not one fill per field per slot). No host sync: the copy is from pinned memory
+        (``t[slot] = x`` would be a pageable copy, which waits for the step in flight)."""
+        for t in trailing:
+            if t.shape[0] > self.cache.trailing.shape[1]:
+                # growing would move the buffer that captured graphs read
+                raise ValueError(f"trailing text of {t.shape[0]} positions exceeds the runner's "
+                                 f"max_trailing={self.cache.trailing.shape[1]}")
+        for slot, t in zip(slots, trailing):
+            self.model.set_trailing(slot, t)  # also clears the code-0 history
+        rows = [{**GREEDY, **s, "seed": seed} for s, seed in zip(sampling, seeds)]
+        names = [f.name for f in fields(SamplingParams)]
+        n = len(slots)
+        # one int64 block [slots | every field as int64 or float32 bits], one copy
+        host = np.empty((1 + len(names), n), dtype=np.int64)
+        host[0] = slots
+        for i, name in enumerate(names):
+            dtype = getattr(self.params, name).dtype
+            values = [r[name] for r in rows]
+            if dtype.is_floating_point:
+                host[1 + i] = np.asarray(values, dtype=np.float32).view(np.int32).astype(np.int64)
+            else:
+                host[1 + i] = np.asarray(values, dtype=np.int64)
+        dev = torch.from_numpy(host)
+        if self.step.device.type == "cuda":
+            dev = dev.pin_memory()
+        dev = dev.to(self.step.device, non_blocking=True)
+        index = dev[0]
+        for i, name in enumerate(names):
+            field = getattr(self.params, name)
+            col = dev[1 + i]
+            if field.dtype.is_floating_point:
+                col = col.to(torch.int32).view(torch.float32).to(field.dtype)
+            field.index_copy_(0, index, col.to(field.dtype))
+        self.step.index_fill_(0, index, 0)
+        for slot, e in zip(slots, embeds):
+            self.prompts[slot] = e
 
     def frame_tail(self, hidden: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """Sample one frame for each of rows (= slots) ``0..B-1`` from the talker's last hidden ``[B, H]`` and
