@@ -4,17 +4,21 @@ interpreter runs each program in numpy."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope  # noqa: E402
+from omniloop.gpu.kernels.add_rms_norm import add_rms_norm  # noqa: E402
+from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache  # noqa: E402
 from omniloop.gpu.kernels.silu_mul import silu_mul  # noqa: E402
 from omniloop.gpu.kernels.sampler import sample_rows  # noqa: E402
-from omniloop.models.qwen3_tts import sampling  # noqa: E402
-from omniloop.models.qwen3_tts.layers import RMSNorm, _rotate_half  # noqa: E402
+from omniloop.models.qwen3_tts import layers, sampling  # noqa: E402
+from omniloop.models.qwen3_tts.config import DecoderConfig  # noqa: E402
+from omniloop.models.qwen3_tts.layers import DecoderStack, RMSNorm, _rotate_half  # noqa: E402
+from omniloop.models.qwen3_tts.speech_layers import SnakeBeta, new_frames, snake_layout  # noqa: E402
 
 
 def check_sampler() -> None:
@@ -96,8 +100,242 @@ def check_silu_mul() -> None:
     torch.testing.assert_close(silu_mul(gate_up), want, rtol=1e-5, atol=1e-5)
 
 
+def _separate_writes(qkv: torch.Tensor, nq: int, nk: int, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
+                     folded: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     positions: torch.Tensor | int, slots: torch.Tensor | None) -> torch.Tensor:
+    """The path ``qk_norm_rope_cache`` replaces (``Attention.forward`` before it): ``qk_norm_rope``, then
+    torch's slice copy (shared start) or ``index_put_`` (per-row positions) of k and v. Returns q."""
+    b, n, _ = qkv.shape
+    d = wq.shape[0]
+    q, k = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, folded)
+    k, v = k.transpose(1, 2), qkv[..., (nq + nk) * d:].view(b, n, nk, d).transpose(1, 2)
+    if isinstance(positions, int):
+        k_cache[:b, :, positions:positions + n] = k
+        v_cache[:b, :, positions:positions + n] = v
+    else:
+        rows = torch.arange(b) if slots is None else slots
+        index = (rows[:, None, None], torch.arange(nk)[None, :, None], positions[:, None, :])
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v)
+    return q
+
+
+def check_norm_rope_cache() -> None:
+    """q equals ``qk_norm_rope``'s and the caches equal the separate writes' bit for bit, everything not
+    written included (the caches start random), for a shared start and per-row positions, with and without
+    slots, padding tokens on the scratch position among them."""
+    torch.manual_seed(6)
+    nq, nk, d, num_slots, max_len = 4, 2, 16, 5, 8
+    wide = torch.tensor([[0, 1, 2, 3], [5, 6, 7, max_len]])  # prefill: row 1 ends on the scratch position
+    cases = [  # (B, L, positions, slots)
+        (3, 1, 5, None),  # code predictor decode step
+        (2, 3, 0, None),  # code predictor first step
+        (3, 1, torch.tensor([[4], [max_len], [0]]), None),  # talker decode: row 1 inactive (scratch)
+        (3, 1, torch.tensor([[4], [max_len], [0]]), torch.tensor([4, 0, 2])),
+        (2, 4, wide, torch.tensor([3, 1])),  # batched prefill
+        (2, 4, wide, None),
+        (2, 4, wide[:, None], torch.tensor([3, 1])),  # the [B, 1, L] view Attention passes (s.index[2])
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        wq, wk = ((torch.rand(d) + 0.5).to(dtype) for _ in range(2))
+        for b, n, positions, slots in cases:
+            qkv = torch.randn(b, n, (nq + 2 * nk) * d).to(dtype)
+            rows = n if isinstance(positions, int) else b * n  # shared positions: one rope row per position
+            angle = torch.randn(rows, d)
+            cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+            folded = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)
+            cache = torch.randn(2, num_slots, nk, max_len + 1, d).to(dtype)
+            want_k, want_v = cache.clone()
+            per_row = positions if isinstance(positions, int) else positions.reshape(b, n)
+            want_q = _separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, per_row, slots)
+            k_cache, v_cache = cache.clone()
+            q = qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, positions, slots)
+            case = (dtype, b, n, slots)
+            assert torch.equal(q, want_q), case
+            assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), case
+            written = int((k_cache != cache[0]).any(-1).sum())
+            assert written == b * n * nk, (case, written)  # not vacuous: every token's keys landed
+    check_scratch_collisions()
+
+
+def check_scratch_collisions() -> None:
+    """Several padding tokens of a row all land on its scratch position: every real position equals the
+    separate writes, the scratch holds one of those tokens (which one is unordered, as with index_put_), and
+    a position outside the cache is dropped rather than written elsewhere."""
+    torch.manual_seed(7)
+    nq, nk, d, max_len = 2, 2, 16, 6
+    b, n = 2, 4
+    positions = torch.tensor([[2, 3, max_len, max_len], [0, 1, 2, 3]])
+    qkv = torch.randn(b, n, (nq + 2 * nk) * d)
+    wq, wk = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    angle = torch.randn(b * n, d)
+    cos, sin = angle.cos(), angle.sin()
+    folded = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)
+    slots = torch.tensor([1, 0])
+    cache = torch.randn(2, 3, nk, max_len + 1, d)
+    want_k, want_v = cache.clone()
+    _separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, positions, slots)
+    k_cache, v_cache = cache.clone()
+    qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, positions, slots)
+    assert torch.equal(k_cache[..., :max_len, :], want_k[..., :max_len, :])
+    assert torch.equal(v_cache[..., :max_len, :], want_v[..., :max_len, :])
+    _, k = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, folded)
+    v = qkv[..., (nq + nk) * d:].view(b, n, nk, d)
+    for got, tokens in ((k_cache[1, :, max_len], k[0, 2:]), (v_cache[1, :, max_len], v[0, 2:])):
+        for h in range(nk):
+            assert any(torch.equal(got[h], t[h]) for t in tokens), h
+    assert torch.equal(k_cache[[0, 2], :, max_len], cache[0][[0, 2], :, max_len])  # other slots' scratch kept
+    outside = torch.tensor([[0, max_len + 1, 50, -1], [1, 2, 3, 4]])
+    k_cache, v_cache = cache.clone()
+    qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, outside, slots)
+    changed = (k_cache != cache[0]).any(-1) | (v_cache != cache[1]).any(-1)
+    assert int(changed.sum()) == 5 * nk, int(changed.sum())  # the 5 positions inside, each kv head
+    assert bool(changed[1, :, 0].all()) and bool(changed[0, :, 1:5].all())
+
+
+def check_attention_writes_kv() -> None:
+    """``Attention.forward`` on the fused path with ``FUSED_KV_WRITE`` on (one launch writes the cache) and
+    off (``qk_norm_rope`` then torch's writes): equal outputs and equal caches, for the code predictor's shared
+    start, the talker's per-row decode (with and without slots) and a batched per-row prefill. The step is the
+    stack's own ``_step``; only the CUDA-only rope rows are added here, so the Triton kernels run on CPU."""
+    cfg = DecoderConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=True)
+    torch.manual_seed(8)
+    max_len = 8
+    wide = torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, max_len + 3]])  # padding token: beyond max_len
+    cases = [  # (B, L, positions, slots, kv_len)
+        (3, 2, 0, None, 2),
+        (3, 1, 2, None, 3),
+        (3, 1, torch.tensor([[4], [max_len], [1]]), None, max_len),
+        (3, 1, torch.tensor([[4], [max_len], [1]]), torch.tensor([2, 0, 3]), max_len),
+        (2, 5, wide, torch.tensor([1, 3]), 7),
+    ]
+    for dtype in (torch.float32, torch.bfloat16):
+        stack = DecoderStack(cfg, dtype=dtype)
+        for p in stack.parameters():
+            p.data = torch.randn(p.shape).to(dtype) * (0.2 if p.dim() > 1 else 1) + (1 if p.dim() == 1 else 0)
+        stack.fuse()
+        attn = stack.layers[0].self_attn
+        cos_table, _, folded_table = stack.rope.table(max_len + 1, dtype)
+        for b, n, positions, slots, kv_len in cases:
+            x = torch.randn(b, n, cfg.hidden_size).to(dtype)
+            cache = torch.randn(2, 1, 4, cfg.num_kv_heads, max_len + 1, cfg.head_dim).to(dtype)
+            step = stack._step(x, positions, cache[0], slots, kv_len)
+            at = (torch.arange(positions, positions + n) if isinstance(positions, int)
+                  else positions.clamp(max=max_len).reshape(-1))
+            step = dataclasses.replace(step, rows=(cos_table[at], folded_table[at]))
+            out = {}
+            for fused in (True, False):
+                layers.FUSED_KV_WRITE = fused
+                k_cache, v_cache = cache.clone()
+                with torch.no_grad():
+                    out[fused] = (attn(x, k_cache[0], v_cache[0], step), k_cache, v_cache)
+            layers.FUSED_KV_WRITE = True
+            case = (dtype, b, n, slots)
+            assert all(torch.equal(a, c) for a, c in zip(out[True], out[False])), case
+            assert not torch.equal(out[True][1], cache[0]), case
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units of the last place between two same-signed bf16 tensors."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def to_dtype(t: torch.Tensor, dtype: torch.dtype, truncate: bool) -> torch.Tensor:
+    """float32 -> dtype, rounded to nearest even (torch; Triton on a GPU) or, for bf16, truncated: the
+    interpreter's float32 -> bf16 cast drops the low bits instead of rounding."""
+    if truncate and dtype == torch.bfloat16:
+        return (t.view(torch.int32) & -65536).view(torch.float32).to(dtype)  # low 16 bits zero: exact
+    return t.to(dtype)
+
+
+def check_add_rms_norm() -> None:
+    """Sum: float32, rounded once. Norm: float32 statistics of the rounded sum as stored, times the weight,
+    rounded once; at most one unit in the last place from the formula (the mean's summation order) and
+    almost always equal. In bf16 "rounded" is whatever the interpreter's cast does (see ``to_dtype``),
+    the same cast for both outputs; the GPU test checks round-to-nearest against torch."""
+    torch.manual_seed(4)
+    eps = 1e-6
+    for shape in ((5, 64), (3, 1000), (2, 3, 2048)):  # 1000: pads to 1024; 3-D: rows are the leading dims
+        h = shape[-1]
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(*shape[:-1], 2 * h) * 2).to(dtype)[..., :h]  # rows strided, as a slice
+            residual = (torch.randn(shape) * 8).to(dtype)
+            weight = (torch.rand(h) + 0.5).to(dtype)
+            normed, new_residual = add_rms_norm(x, residual, weight, eps)
+            assert normed.shape == new_residual.shape == shape and normed.dtype == dtype
+            truncate = not torch.equal(new_residual, x + residual)
+            assert torch.equal(new_residual, to_dtype(x.float() + residual.float(), dtype, truncate)), (shape, dtype)
+            s = new_residual.float()
+            want = to_dtype(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float(), dtype, truncate)
+            if dtype == torch.float32:
+                torch.testing.assert_close(normed, want, rtol=1e-6, atol=1e-6)
+            else:
+                assert int(ulps(normed, want).max()) <= 1, (shape, dtype)
+                assert (normed == want).float().mean().item() > 0.99, (shape, dtype)
+            torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + residual, (h,), weight, eps),
+                                       rtol=2e-2, atol=2e-2)
+
+
+def check_fused_stack() -> None:
+    """The decoder stack carrying (normalized hidden, residual) with every add fused into the next norm
+    computes the stack's unfused forward: float32 to rounding, bf16 to a few units in the last place.
+    Every norm has its own weight, so a norm applied in the wrong place cannot pass."""
+    cfg = DecoderConfig(vocab_size=32, hidden_size=48, intermediate_size=96, num_layers=3, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
+    torch.manual_seed(5)
+    stack = DecoderStack(cfg)
+    norms = [m for m in stack.modules() if isinstance(m, RMSNorm) and m.weight.shape[0] == cfg.hidden_size]
+    assert len(norms) == 2 * cfg.num_layers + 1
+    for norm in norms:
+        norm.weight.data = torch.rand(cfg.hidden_size) + 0.5
+    b, n = 2, 5
+    x = torch.randn(b, n, cfg.hidden_size)
+    for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        stack.to(dtype)
+        cache = torch.zeros(cfg.num_layers, b, cfg.num_kv_heads, 9, cfg.head_dim, dtype=dtype)
+        with torch.no_grad():
+            want = stack(x.to(dtype), 0, cache.clone(), cache.clone(), None, n)
+            k_cache, v_cache = cache.clone(), cache.clone()
+            step = stack._step(x.to(dtype), 0, k_cache, None, n)
+            got = stack._forward_fused(x.to(dtype), k_cache, v_cache, step)
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert got.shape == want.shape and err < rel, (dtype, float(err))
+
+
+def check_snake() -> None:
+    """SnakeBeta's kernel in both layouts: NCL ([B, C, T], contiguous along T) and channels-last ([B, C, T]
+    stored [B, T, C], as the CUDA decoder keeps its activations), read from a strided slice (a transposed
+    conv's trimmed output) and written into the chunk part of a conv's [tail, chunk] buffer."""
+    torch.manual_seed(6)
+    b, c, n, p = 2, 24, 100, 6  # channels-last rows of 2,400 values: two blocks, the last one partial
+    act = SnakeBeta(c)
+    act.alpha.data.normal_(0, 0.3)
+    act.beta.data.normal_(0, 0.3)
+    alpha, beta = act.alpha.exp()[None, :, None], act.beta.exp()[None, :, None]
+    for channels_last in (True, False):
+        src = new_frames(torch.empty(b, c, 0), n + 5, channels_last).normal_(0, 2)
+        x = src[..., 3:3 + n]
+        buf = new_frames(x, p + n, channels_last).zero_()
+        out = buf[..., p:]
+        assert snake_layout(x, out) is channels_last
+        with torch.no_grad():
+            act._fused(x, out, channels_last)
+        want = x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert buf[..., :p].abs().max() == 0  # the tail part is left alone
+    assert snake_layout(x, new_frames(x, n, True)) is None  # mixed layouts: the torch path
+
+
 if __name__ == "__main__":
     check_sampler()
     check_norm_rope()
     check_silu_mul()
+    check_norm_rope_cache()
+    check_attention_writes_kv()
+    check_add_rms_norm()
+    check_fused_stack()
+    check_snake()
     print("kernels ok")

@@ -135,3 +135,209 @@ def test_fused_sampler_matches_the_torch_path(vocab: int, monkeypatch: pytest.Mo
     monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)
     assert (strided != sampling.sample_noisy(logits[:, :2048], do_sample, temperature, top_k, top_p,
                                              noise[:, :2048])).sum() <= b // 64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+    """The sum is torch's ``x + residual`` bit for bit; the norm is ``F.rms_norm`` of that sum: one rounding of
+    the same float32 value, so only the mean's summation order differs, which can move a value across a
+    rounding boundary: at most one unit in the last place, and rarely."""
+    from omniloop.gpu.kernels.add_rms_norm import add_rms_norm
+
+    torch.manual_seed(0)
+    for shape in ((64, 1, 2048), (7, 1000), (3, 5, 1024), (2, 8192)):
+        h = shape[-1]
+        x = torch.randn(shape, device="cuda").to(dtype) * 2
+        residual = torch.randn(shape, device="cuda").to(dtype) * 8
+        weight = (torch.rand(h, device="cuda") + 0.5).to(dtype)
+        normed, new_residual = add_rms_norm(x, residual, weight, 1e-6)
+        assert torch.equal(new_residual, x + residual), shape
+        want = torch.nn.functional.rms_norm(x + residual, (h,), weight, 1e-6)
+        if dtype == torch.float32:
+            torch.testing.assert_close(normed, want, rtol=1e-5, atol=1e-5)
+            continue
+        ulps = (normed.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        assert int(ulps.max()) <= 1, shape
+        assert (normed == want).float().mean().item() > 0.99, shape
+
+
+@torch.no_grad()
+def test_fused_add_norm_stack_matches_the_unfused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 decoder stack with every residual add fused into the next norm gives the unfused stack's output
+    for prefill, decode and shared-position (code predictor) calls. Tolerance: the two paths differ only
+    where a norm's summation order moves a bf16 value by one unit in the last place (< 1% of values); such
+    flips feed the later layers: 2.6e-3 relative measured on this stack with *every* row's rstd moved by one
+    float32 ulp (bf16 vs float32 is 5.7e-3), while a norm applied in the wrong place (each norm has its own
+    weight here) is off by O(0.1)."""
+    from omniloop.gpu.kernels import add_rms_norm as kernel
+    from omniloop.models.qwen3_tts import layers
+    from omniloop.models.qwen3_tts.config import DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=32, hidden_size=1024, intermediate_size=2048, num_layers=4, num_heads=8,
+                        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
+    torch.manual_seed(0)
+    stack = layers.DecoderStack(cfg, "cuda", torch.bfloat16)
+    for module in stack.modules():
+        if isinstance(module, layers.RMSNorm):
+            module.weight.data = (torch.rand_like(module.weight, dtype=torch.float32) + 0.5).to(torch.bfloat16)
+    stack.fuse()
+    calls = []
+    fused_kernel = kernel.add_rms_norm
+    monkeypatch.setattr(kernel, "add_rms_norm", lambda *a: calls.append(1) or fused_kernel(*a))
+    b, n, h = 3, 6, cfg.hidden_size
+    x = torch.randn(b, n, h, device="cuda", dtype=torch.bfloat16)
+    prefill = torch.arange(n, device="cuda").repeat(b, 1)
+    calls_of = {  # args after x: positions, slots, kv_len
+        "prefill": (x, prefill, None, n),
+        "decode": (x[:, :1], torch.tensor([[6], [4], [5]], device="cuda"), None, 7),
+        "shared": (x[:, :2], 0, None, 2),
+    }
+    cache = torch.randn(cfg.num_layers, b, cfg.num_kv_heads, 9, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    for name, (inp, positions, slots, kv_len) in calls_of.items():
+        out = {}
+        for fused in (True, False):
+            monkeypatch.setattr(layers, "FUSED_ADD_NORM", fused)
+            calls.clear()
+            out[fused] = stack(inp, positions, cache.clone(), cache.clone(), slots, kv_len).float()
+            assert len(calls) == (2 * cfg.num_layers if fused else 0), name
+        assert out[True].shape == inp.shape
+        err = ((out[True] - out[False]).norm() / out[False].norm()).item()
+        assert err < 1e-2, (name, err)
+
+
+def _separate_writes(qkv, nq, nk, wq, wk, cos, folded, k_cache, v_cache, positions, slots):
+    """The writes ``qk_norm_rope_cache`` replaces: ``qk_norm_rope``, then torch's slice copy or ``index_put_``."""
+    from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope
+
+    b, n, _ = qkv.shape
+    d = wq.shape[0]
+    q, k = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, folded)
+    k, v = k.transpose(1, 2), qkv[..., (nq + nk) * d:].view(b, n, nk, d).transpose(1, 2)
+    if isinstance(positions, int):
+        k_cache[:b, :, positions:positions + n] = k
+        v_cache[:b, :, positions:positions + n] = v
+    else:
+        rows = torch.arange(b, device=qkv.device) if slots is None else slots
+        index = (rows[:, None, None], torch.arange(nk, device=qkv.device)[None, :, None], positions[:, None, :])
+        k_cache.index_put_(index, k)
+        v_cache.index_put_(index, v)
+    return q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_rope_cache_writes_what_the_separate_writes_write(dtype: torch.dtype) -> None:
+    """One launch for q, k and v: q equals ``qk_norm_rope``'s, and both caches equal the slice copy /
+    ``index_put_`` result bit for bit, positions not written included (the caches start random)."""
+    from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope_cache
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    nq, nk, d, num_slots, max_len = 16, 8, 128, 6, 40
+    prefill = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, max_len]], device=dev)  # one token on the scratch
+    decode = torch.tensor([[4], [max_len], [0], [39]], device=dev)  # row 1 inactive: scratch
+    cases = [(64, 1, 9, None), (64, 2, 0, None), (4, 1, decode, None), (4, 1, decode, torch.tensor([5, 0, 2, 3])),
+             (2, 5, prefill, torch.tensor([3, 1])), (2, 5, prefill, None)]
+    wq, wk = ((torch.rand(d, device=dev) + 0.5).to(dtype) for _ in range(2))
+    for b, n, positions, slots in cases:
+        slots = None if slots is None else slots.to(dev)
+        qkv = torch.randn(b, n, (nq + 2 * nk) * d, device=dev).to(dtype)
+        angle = torch.randn(n if isinstance(positions, int) else b * n, d, device=dev)
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        folded = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)
+        cache = torch.randn(2, max(num_slots, b), nk, max_len + 1, d, device=dev).to(dtype)
+        want_k, want_v = cache.clone()
+        want_q = _separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, positions, slots)
+        k_cache, v_cache = cache.clone()
+        at = positions if isinstance(positions, int) else positions[:, None]  # the [B, 1, L] view Attention passes
+        q = qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, at, slots)
+        case = (b, n, slots)
+        assert torch.equal(q, want_q), case
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), case
+        assert int((k_cache != cache[0]).any(-1).sum()) == b * n * nk, case  # every token's keys landed
+
+
+def _tiny_stack(dtype: torch.dtype):
+    from omniloop.models.qwen3_tts.config import DecoderConfig
+    from omniloop.models.qwen3_tts.layers import DecoderStack
+
+    cfg = DecoderConfig(vocab_size=32, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                        num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=256, attention_bias=False)
+    torch.manual_seed(0)
+    stack = DecoderStack(cfg, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        for p in stack.parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1 if p.dim() == 1 else 0))
+    stack.fuse()
+    return cfg, stack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stack_with_fused_kv_write_equals_the_separate_writes(dtype: torch.dtype,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused decoder stack run twice, once writing the KV cache inside the norm+rope kernel and once with
+    torch's separate writes: batched per-row prefill (padding tokens on the scratch position), per-row decode
+    with and without slots, and the code predictor's shared-start steps give equal outputs and equal caches
+    (the prefill's scratch position aside: several padding tokens race for it on either path)."""
+    from omniloop.models.qwen3_tts import layers
+
+    cfg, stack = _tiny_stack(dtype)
+    h, max_len, dev = cfg.hidden_size, 24, "cuda"
+    pad = max_len + 3
+    prefill_pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, pad, pad], [4, 5, 6, 7, 8, 9, 10]], device=dev)
+    decode_pos = torch.tensor([[7], [5], [11], [max_len]], device=dev)
+    x_prefill, x_decode = torch.randn(3, 7, h, device=dev).to(dtype), torch.randn(4, 1, h, device=dev).to(dtype)
+    x_cp = torch.randn(3, 2, h, device=dev).to(dtype)
+    out, caches = {}, {}
+    for fused in (True, False):
+        monkeypatch.setattr(layers, "FUSED_KV_WRITE", fused)
+        shape = (cfg.num_layers, 5, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+        k, v = torch.zeros(shape, device=dev, dtype=dtype), torch.zeros(shape, device=dev, dtype=dtype)
+        cp_k, cp_v = (torch.zeros(cfg.num_layers, 3, cfg.num_kv_heads, 4, cfg.head_dim, device=dev, dtype=dtype)
+                      for _ in range(2))
+        with torch.no_grad():
+            out[fused] = [
+                stack(x_prefill, prefill_pos, k, v, torch.tensor([2, 0, 3], device=dev), 11),
+                stack(x_decode, decode_pos, k, v, None, max_len),
+                stack(x_decode[:2], decode_pos[:2] + 1, k, v, torch.tensor([4, 1], device=dev), max_len),
+                stack(x_cp, 0, cp_k, cp_v, None, 2),
+                stack(x_cp[:, :1], 2, cp_k, cp_v, None, 3),
+            ]
+        caches[fused] = (k[..., :max_len, :], v[..., :max_len, :], cp_k, cp_v)
+    for i, (a, b) in enumerate(zip(out[True], out[False])):
+        assert torch.equal(a, b), i
+    for i, (a, b) in enumerate(zip(caches[True], caches[False])):
+        assert torch.equal(a, b), i
+    assert bool(caches[True][0][:, 4, :, 8].any())  # not vacuous: the second decode wrote slot 4 at position 8
+
+
+@torch.no_grad()
+def test_fused_kv_write_replays_in_a_cuda_graph() -> None:
+    """The decode step with the fused write captures in a CUDA graph, and a replay reads the positions and
+    slots as they are at replay time (no host value baked in): same output and cache as an eager step."""
+    cfg, stack = _tiny_stack(torch.bfloat16)
+    h, max_len, dev = cfg.hidden_size, 24, "cuda"
+    shape = (cfg.num_layers, 4, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+    k, v = torch.randn(shape, device=dev, dtype=torch.bfloat16), torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(2, 1, h, device=dev, dtype=torch.bfloat16)
+    positions, slots = torch.tensor([[3], [5]], device=dev), torch.tensor([1, 2], device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, rope table built) off the capture
+        stack(x, positions, k.clone(), v.clone(), slots, max_len)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    k_graph, v_graph = k.clone(), v.clone()
+    with torch.cuda.graph(graph):
+        hidden = stack(x, positions, k_graph, v_graph, slots, max_len)
+    x.copy_(torch.randn_like(x))
+    positions.copy_(torch.tensor([[9], [0]], device=dev))
+    slots.copy_(torch.tensor([3, 0], device=dev))
+    k_graph.copy_(k), v_graph.copy_(v)
+    graph.replay()
+    k_eager, v_eager = k.clone(), v.clone()
+    want = stack(x, positions, k_eager, v_eager, slots, max_len)
+    assert torch.equal(hidden, want)
+    assert torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
+    assert not torch.equal(k_graph[:, 3, :, 9], k[:, 3, :, 9])  # the replay wrote where the new inputs say

@@ -6,6 +6,7 @@ codec runner sees it: one batched decode plus the PCM on the host (``decode_host
 adds torch.profiler's top kernels and the CPU time of one step; ``--convs`` times the conv shapes alone.
 
     python tools/bench_codec.py --batches 1 16 64 --chunks 1 4 8 25 [--eager] [--cudnn-heuristics] [--profile 64x8]
+        [--channels-last | --no-channels-last]
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def main() -> None:
                     help="leave torch.backends.cudnn.benchmark off (the codec stage turns it on)")
     ap.add_argument("--profile", default="", help="BxL, e.g. 64x8")
     ap.add_argument("--convs", action="store_true")
+    ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                    help="the decoder's conv layout (default: the tree's default, channels-last on CUDA where "
+                         "the tree has it)")
     ap.add_argument("--json", default="")
     ap.add_argument("--warmup", type=int, nargs="*",
                     help="only: capture every graph bucket up to rows x frames <= N (each N in a fresh pool), "
@@ -127,10 +131,16 @@ def main() -> None:
     torch.backends.cudnn.benchmark = not args.cudnn_heuristics
     if args.convs:
         bench_convs(64, 8, dtype)
+    layout = {}
+    if args.channels_last is not None:
+        if "channels_last" not in inspect.signature(SpeechTokenizer.load).parameters:
+            raise SystemExit("this tree's decoder has no channels-last layout")
+        layout = {"channels_last": args.channels_last}
     tok = SpeechTokenizer.load(ensure_tiny_checkpoint("custom_voice", size="1.7b"), device="cuda", dtype=dtype,
-                               load_format="dummy", with_encoder=False)
+                               load_format="dummy", with_encoder=False, **layout)
     print(f"omniloop from {omniloop.__file__}; {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{args.dtype}, eager={args.eager}, cudnn.benchmark={not args.cudnn_heuristics}")
+          f"{args.dtype}, eager={args.eager}, cudnn.benchmark={not args.cudnn_heuristics}, "
+          f"channels_last={getattr(tok.decoder, 'channels_last', False)}")
     rows = []
     if args.warmup:
         for limit in args.warmup:

@@ -6,7 +6,9 @@ rotates one head of one token, in float32, rounding once on the store.
 
 ``qk_norm_rope`` reads the query and key heads straight out of a fused QKV projection's rows (queries,
 then keys, then values: the keys are the heads after the queries) and normalizes both in one launch,
-each head with its own weight; ``norm_rope`` does one tensor of heads.
+each head with its own weight; ``norm_rope`` does one tensor of heads. ``qk_norm_rope_cache`` also
+writes the keys and the (untouched) values straight into the KV cache at each token's slot and position,
+so a layer needs no separate cache-write kernels: one launch for q, k and v.
 """
 
 from __future__ import annotations
@@ -17,36 +19,79 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, num_q_heads, num_heads,
-                      cos_rows, eps, D: tl.constexpr):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+def _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, cos_row, eps, D: tl.constexpr):
+    """The D values at ``x_ptr + src``, RMS-normalized (query or key weight) and rotated, in float32."""
     offs = tl.arange(0, D)
     rot = (offs + D // 2) % D  # rotate_half's partner of each lane
-    src = token.to(tl.int64) * x_stride + head * D
     x = tl.load(x_ptr + src + offs).to(tl.float32)
     xr = tl.load(x_ptr + src + rot).to(tl.float32)
-    is_q = head < num_q_heads
     w = tl.where(is_q, tl.load(wq_ptr + offs), tl.load(wk_ptr + offs)).to(tl.float32)
     wr = tl.where(is_q, tl.load(wq_ptr + rot), tl.load(wk_ptr + rot)).to(tl.float32)
     scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
     y = x * scale * w
     yr = xr * scale * wr
-    row = (token % cos_rows).to(tl.int64) * D
+    row = cos_row.to(tl.int64) * D
     cos = tl.load(cos_ptr + row + offs).to(tl.float32)
     sin = tl.load(sin_ptr + row + offs).to(tl.float32)  # sign-folded: -sin on the first half
-    dst = (token.to(tl.int64) * num_heads + head) * D
-    tl.store(out_ptr + dst + offs, (y * cos + yr * sin).to(out_ptr.dtype.element_ty))
+    return y * cos + yr * sin
+
+
+@triton.jit(do_not_specialize=["start"])
+def _norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, num_q_heads, num_k_heads,
+                      out_heads, cos_rows, eps, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, start, row_len,
+                      num_slots, num_positions, slot_stride, head_stride, pos_stride,
+                      D: tl.constexpr, TO_CACHE: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, D)
+    src = token.to(tl.int64) * x_stride + head * D
+    is_q = head < num_q_heads
+    out_dst = (token.to(tl.int64) * out_heads + head) * D
+    if TO_CACHE:
+        row = token // row_len
+        if slot_ptr is None:
+            slot = row.to(tl.int64)
+        else:
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+        if pos_ptr is None:
+            pos = (start + token % row_len).to(tl.int64)
+        else:
+            pos = tl.load(pos_ptr + token).to(tl.int64)
+        # an index outside the cache drops the write instead of scribbling over other memory (a lane
+        # compare, not a scalar mask: Triton's interpreter rejects a broadcast scalar mask)
+        inside = offs < tl.where((slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < num_positions), D, 0)
+        cache_row = slot * slot_stride + pos * pos_stride
+        if head >= num_q_heads + num_k_heads:  # a value head: copied as it is, no rounding
+            dst = cache_row + (head - num_q_heads - num_k_heads).to(tl.int64) * head_stride
+            tl.store(v_cache_ptr + dst + offs, tl.load(x_ptr + src + offs), mask=inside)
+        else:
+            y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, D)
+            if is_q:
+                tl.store(out_ptr + out_dst + offs, y.to(out_ptr.dtype.element_ty))
+            else:
+                dst = cache_row + (head - num_q_heads).to(tl.int64) * head_stride
+                tl.store(k_cache_ptr + dst + offs, y.to(k_cache_ptr.dtype.element_ty), mask=inside)
+    else:
+        y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, D)
+        tl.store(out_ptr + out_dst + offs, y.to(out_ptr.dtype.element_ty))
+
+
+def _launch(x: torch.Tensor, x_stride: int, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
+            sin_folded: torch.Tensor, out: torch.Tensor, num_q_heads: int, eps: float) -> None:
+    """Queries and keys only: every head of ``out`` ``[B, L, heads, D]`` (the first ``num_q_heads`` queries,
+    the rest keys) is read from token row ``t`` of x at ``t * x_stride + head * D``, normalized and rotated."""
+    b, n, heads, d = out.shape
+    _norm_rope_kernel[(b * n, heads)](x, wq, wk, cos, sin_folded, out, x_stride, num_q_heads, heads - num_q_heads,
+                                      heads, cos.shape[0], eps, None, None, None, None, 0, 1, 0, 0, 0, 0, 0,
+                                      D=d, TO_CACHE=False, num_warps=1)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
               sin_folded: torch.Tensor) -> torch.Tensor:
     """x ``[B, L, heads, D]`` (contiguous); cos/sin ``[R, D]`` contiguous, token t = b * L + l uses row t % R
     (R = B * L: per token; R = L: shared by every row). Returns the normalized, rotated x, same shape."""
-    b, n, heads, d = x.shape
     out = torch.empty_like(x)
-    _norm_rope_kernel[(b * n, heads)](x, weight, weight, cos, sin_folded, out, heads * d, heads, heads,
-                                      cos.shape[0], eps, D=d, num_warps=1)
+    _launch(x, x.shape[2] * x.shape[3], weight, weight, cos, sin_folded, out, x.shape[2], eps)
     return out
 
 
@@ -55,9 +100,50 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, wq: torc
     """qkv ``[B, L, W]`` rows of a fused projection (contiguous; queries in ``[0, nq * D)``, keys next);
     returns normalized, rotated q ``[B, L, nq, D]`` and k ``[B, L, nk, D]`` (views of one output buffer)."""
     b, n, width = qkv.shape
-    d = wq.shape[0]
-    heads = num_q_heads + num_k_heads
-    out = torch.empty((b, n, heads, d), dtype=qkv.dtype, device=qkv.device)
-    _norm_rope_kernel[(b * n, heads)](qkv, wq, wk, cos, sin_folded, out, width, num_q_heads, heads,
-                                      cos.shape[0], eps, D=d, num_warps=1)
+    out = torch.empty((b, n, num_q_heads + num_k_heads, wq.shape[0]), dtype=qkv.dtype, device=qkv.device)
+    _launch(qkv, width, wq, wk, cos, sin_folded, out, num_q_heads, eps)
     return out[:, :, :num_q_heads], out[:, :, num_q_heads:]
+
+
+def qk_norm_rope_cache(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, wq: torch.Tensor, wk: torch.Tensor,
+                       eps: float, cos: torch.Tensor, sin_folded: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, positions: torch.Tensor | int,
+                       slots: torch.Tensor | None) -> torch.Tensor:
+    """``qk_norm_rope`` that stores keys and values in the cache instead of returning them.
+
+    qkv ``[B, L, (nq + 2 * nk) * D]`` (contiguous; values after the keys); k_cache, v_cache one layer's
+    ``[num_slots, nk, num_positions, D]`` of qkv's dtype (same strides, D contiguous). Token ``l`` of row ``b``
+    goes to slot ``slots[b]`` (``b`` when ``slots`` is None) at position ``positions + l`` (an int shared by
+    every row) or ``positions[b, l]`` (an integer tensor of ``B * L`` elements in row-major ``[B, L]`` order,
+    e.g. a ``[B, 1, L]`` view). Keys are written exactly as ``qk_norm_rope`` returns them, values as they are
+    in qkv. Returns the normalized, rotated q ``[B, L, nq, D]``. No host sync: graph-capturable."""
+    b, n, width = qkv.shape
+    d = wq.shape[0]
+    if width != (num_q_heads + 2 * num_k_heads) * d:
+        raise ValueError(f"qkv rows of width {width} are not {num_q_heads} + 2 * {num_k_heads} heads of {d}")
+    if (k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype or k_cache.shape != v_cache.shape
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.shape[1] != num_k_heads
+            or k_cache.shape[3] != d):
+        raise ValueError("k_cache and v_cache must be [slots, kv_heads, positions, head_dim] of qkv's dtype "
+                         "with the same strides and a contiguous last dim")
+    if isinstance(positions, int):
+        if positions < 0 or positions + n > k_cache.shape[2]:
+            raise ValueError(f"positions {positions}..{positions + n - 1} are outside the cache's "
+                             f"{k_cache.shape[2]} positions")
+        pos, start = None, positions
+    else:
+        pos, start = positions.reshape(-1), 0  # a view when contiguous (the per-row write index is)
+        if pos.numel() != b * n:
+            raise ValueError(f"{pos.numel()} cache positions for {b} x {n} tokens")
+    if slots is not None:
+        slots = slots.reshape(-1)
+        if slots.numel() != b:
+            raise ValueError(f"{slots.numel()} slots for {b} rows")
+    elif b > k_cache.shape[0]:
+        raise ValueError(f"{b} rows but only {k_cache.shape[0]} cache slots")
+    q = torch.empty((b, n, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    _norm_rope_kernel[(b * n, num_q_heads + 2 * num_k_heads)](
+        qkv, wq, wk, cos, sin_folded, q, width, num_q_heads, num_k_heads, num_q_heads, cos.shape[0], eps,
+        k_cache, v_cache, pos, slots, start, n, k_cache.shape[0], k_cache.shape[2], k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), D=d, TO_CACHE=True, num_warps=1)
+    return q

@@ -29,6 +29,12 @@ from omniloop.models.qwen3_tts.config import DecoderConfig
 # CUDA: per-head q/k RMSNorm + rope in one Triton kernel (``gpu/kernels/qk_norm_rope.py``); a switch so
 # benchmarks can measure the torch path it replaces
 FUSED_NORM_ROPE = True
+# CUDA, with FUSED_NORM_ROPE: that kernel also writes the new keys and values into the KV cache (no separate
+# copy / index_put_ kernels per layer); a switch so benchmarks and tests can compare with the separate writes
+FUSED_KV_WRITE = True
+# CUDA bf16/fp16: each residual add fused into the RMSNorm that follows it (``gpu/kernels/add_rms_norm.py``;
+# ``DecoderStack._forward_fused``); a switch so benchmarks can measure the add + norm kernels it replaces
+FUSED_ADD_NORM = True
 
 
 class RMSNorm(nn.Module):
@@ -157,15 +163,22 @@ class Attention(nn.Module):
         if self.q_proj.bias is not None:
             self.qkv_bias = _fuse([p.bias for p in projs])
 
+    def _is_fused_path(self, s: StackStep) -> bool:
+        """Fused QKV weights and the Triton q/k norm+rope kernel (CUDA: ``s.rows`` is set)."""
+        return self.qkv_weight is not None and s.rows is not None and FUSED_NORM_ROPE
+
+    def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, L, (heads + 2 * kv_heads) * D]`` rows of the one fused matmul, on weights checked current."""
+        _check_fused(self.qkv_weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        return F.linear(x, self.qkv_weight, self.qkv_bias)
+
     def _qkv(self, x: torch.Tensor, s: StackStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[B, L, heads, D]`` and k, v ``[B, L, kv_heads, D]``; q and k normalized and rotated."""
         b, n, _ = x.shape
-        if self.qkv_weight is not None and s.rows is not None and FUSED_NORM_ROPE:
+        if self._is_fused_path(s):
             from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope
 
-            _check_fused(self.qkv_weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = self._fused_qkv(x)
             q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
                                 self.q_norm.eps, *s.rows)
             v = qkv[..., (self.num_heads + self.num_kv_heads) * self.head_dim:]
@@ -174,19 +187,33 @@ class Attention(nn.Module):
         k = s.norm_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim), self.k_norm)
         return q, k, self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
 
+    def _q_writing_kv(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      s: StackStep) -> torch.Tensor:
+        """The fused path's q ``[B, L, heads, D]``; the same launch stores x's keys (normalized, rotated) and
+        values in the cache where ``forward``'s separate writes would: at ``s.start + l`` of slot ``b``, or at
+        the per-row write positions ``s.index[2]`` (already clamped to the scratch position) of ``s.slots``."""
+        from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope_cache
+
+        positions = s.start if s.start is not None else s.index[2]
+        return qk_norm_rope_cache(self._fused_qkv(x), self.num_heads, self.num_kv_heads, self.q_norm.weight,
+                                  self.k_norm.weight, self.q_norm.eps, *s.rows, k_cache, v_cache, positions, s.slots)
+
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
         row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
         gathering (a copy)."""
         b, n, _ = x.shape
-        q, k, v = self._qkv(x, s)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if s.start is not None:
-            k_cache[:b, :, s.start:s.start + n] = k
-            v_cache[:b, :, s.start:s.start + n] = v
+        if self._is_fused_path(s) and FUSED_KV_WRITE:
+            q = self._q_writing_kv(x, k_cache, v_cache, s)
         else:
-            k_cache.index_put_(s.index, k)
-            v_cache.index_put_(s.index, v)
+            q, k, v = self._qkv(x, s)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
+            if s.start is not None:
+                k_cache[:b, :, s.start:s.start + n] = k
+                v_cache[:b, :, s.start:s.start + n] = v
+            else:
+                k_cache.index_put_(s.index, k)
+                v_cache.index_put_(s.index, v)
         if s.slots is None:
             keys, values = k_cache[:b, :, :s.kv_len], v_cache[:b, :, :s.kv_len]
         else:
@@ -278,6 +305,17 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), k_cache, v_cache, s)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      s: StackStep, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` with each residual add fused into the norm after it: h is this layer's input already
+        normalized by ``input_layernorm``, residual the un-normalized input; returns the output normalized
+        by ``next_norm`` (the next layer's input norm, or the stack's final norm) and the output itself."""
+        from omniloop.gpu.kernels.add_rms_norm import add_rms_norm
+
+        post = self.post_attention_layernorm
+        h, residual = add_rms_norm(self.self_attn(h, k_cache, v_cache, s), residual, post.weight, post.eps)
+        return add_rms_norm(self.mlp(h), residual, next_norm.weight, next_norm.eps)
+
 
 class DecoderStack(nn.Module):
     """Layers + final norm over a slot KV cache ``[layers, slots, kv_heads, max_len + 1, head_dim]``; the
@@ -311,9 +349,24 @@ class DecoderStack(nn.Module):
         row at positions ``positions..positions+L-1`` with all keys below ``kv_len = positions + L`` valid.
         ``slots=None`` means row i uses slot i (see ``Attention``)."""
         step = self._step(x, positions, k_cache, slots, kv_len)
+        if FUSED_ADD_NORM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and len(self.layers):
+            return self._forward_fused(x, k_cache, v_cache, step)
         for i, layer in enumerate(self.layers):
             x = layer(x, k_cache[i], v_cache[i], step)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       step: StackStep) -> torch.Tensor:
+        """``forward``'s layers carrying (normalized hidden, residual), so every residual add runs in the
+        kernel of the norm after it: two launches per layer instead of four. Same values as the unfused half-
+        precision path up to the norms' reduction order; float32 never comes here (its parity with the
+        reference is bit for bit, and the kernel's reduction order is not torch's). Any device the kernel
+        runs on (CPU under ``TRITON_INTERPRET=1`` in the tests)."""
+        h, residual = self.layers[0].input_layernorm(x), x
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            h, residual = layer.forward_fused(h, residual, k_cache[i], v_cache[i], step, next_norm)
+        return h
 
     def _step(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor,
               slots: torch.Tensor | None, kv_len: int) -> StackStep:

@@ -9,6 +9,10 @@ no lookahead: a frame's 1920 samples are final as soon as the frame is decoded.
 ``state_specs``) and returns the new state, so a stream decodes each frame exactly once. ``decode`` is
 the one-shot path: the same ``step`` from a zero state, in bounded internal chunks.
 
+Layout (``set_channels_last``; on by default for CUDA, see ``SpeechTokenizer.build``): the conv stack's
+activations and conv tails are stored time-major, ``[B, T, C]``, so cuDNN's NHWC conv kernels read and write
+them without layout transposes (``speech_layers``); off, everything is ``[B, C, T]`` as in the reference.
+
 Module names follow the checkpoint keys (``decoder.*`` in ``speech_tokenizer/model.safetensors``).
 """
 
@@ -59,6 +63,7 @@ class _RVQ(nn.Module):
         self.vq = _VQList(num, size, dim)
         self.size = size
         self.register_buffer("tables", torch.zeros(num * size, dim), persistent=False)
+        self.channels_last = False
 
     def refresh(self) -> None:
         self.tables = torch.cat([vq._codebook.table() for vq in self.vq.layers]).detach()
@@ -67,6 +72,8 @@ class _RVQ(nn.Module):
         """codes ``[B, L, n]`` -> ``[B, out_dim, L]``."""
         offsets = torch.arange(codes.shape[-1], device=codes.device) * self.size
         summed = F.embedding(codes + offsets, self.tables).sum(dim=2)
+        if self.channels_last:  # the 1x1 conv as the Linear over channels it is: [B, L, out] rows
+            return F.linear(summed, self.output_proj.weight[:, :, 0]).transpose(1, 2)
         return F.conv1d(summed.transpose(1, 2), self.output_proj.weight)
 
 
@@ -198,6 +205,18 @@ class SpeechDecoder(nn.Module):
             CausalConv(dims[-1], 1, 7),
         ])
         self.samples_per_frame = cfg.samples_per_frame
+        self.channels_last = False
+
+    def set_channels_last(self, on: bool) -> None:
+        """Store the conv stack's activations, tails and conv weights channels-last (the weights are
+        re-laid in place: no extra memory). Set it before building ``CodecStreams``: its pool packs tails in
+        the layout the decoder had then (the other layout still decodes the same, through transposing copies)."""
+        self.channels_last = on
+        for m in self.modules():
+            if isinstance(m, (CausalConv, CausalTransConv)):
+                m.set_channels_last(on)
+            elif isinstance(m, _RVQ):
+                m.channels_last = on
 
     def refresh(self) -> None:
         """Recompute derived tables after the weights change (load, dummy init, dtype move)."""
@@ -224,8 +243,12 @@ class SpeechDecoder(nn.Module):
 
     def init_state(self, batch: int) -> list[Tensor]:
         p = self.pre_conv.conv.weight
-        return [torch.zeros((batch, *shape), dtype=dtype or p.dtype, device=p.device)
-                for shape, dtype in self.state_specs()]
+        state = [torch.zeros((batch, *shape), dtype=dtype or p.dtype, device=p.device)
+                 for shape, dtype in self.state_specs()]
+        if self.channels_last:  # conv tails [B, C, P] stored [B, P, C], as the layers produce them
+            first = len(state) - len(self._conv_layers())
+            state[first:] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in state[first:]]
+        return state
 
     def step(self, codes: Tensor, lens: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """Decode one chunk per row. codes ``[B, L, Q]`` (rows right-padded past ``lens``), lens ``[B]``
@@ -246,6 +269,7 @@ class SpeechDecoder(nn.Module):
         codes = codes.clamp(0, cfg.codebook_size - 1)
         x = self.quantizer(codes).to(self.pre_conv.conv.weight.dtype)
         x = run(self.pre_conv, x, lens)
+        # channels-last: both transposes are views (the transformer reads and writes [B, T, C])
         h, new_caches = self.pre_transformer(x.transpose(1, 2), pos, lens, caches)
         x, cur = h.transpose(1, 2), lens
         for trans, convnext in self.upsample:

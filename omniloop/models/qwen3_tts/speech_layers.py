@@ -4,6 +4,13 @@ Every stateful layer takes ``tail`` (what it needs from before the chunk, ``[B, 
 (valid input length per row at this layer's rate) and returns its output plus the new tail. Rows are
 right-padded to the longest chunk; because everything is causal, padding only affects outputs past
 ``lens``, and the new tail is gathered from each row's own valid end.
+
+Layout: activations and tails are always indexed ``[B, C, T]``. With a conv layer's ``channels_last`` on
+(``SpeechDecoder.set_channels_last``; the CUDA default) they are *stored* ``[B, T, C]`` (strides
+``(T*C, 1, C)``) and each conv runs as a 2-D conv on the ``[B, C, 1, T]`` view, which is then NHWC
+(``torch.channels_last``) contiguous: cuDNN reads and writes it as is, instead of transposing every conv's
+input and output to NHWC and back. The ops between convs (SnakeBeta, the residual adds, ConvNeXt's
+LayerNorm and Linears over channels) work on either layout; in this one their transposes are free views.
 """
 
 from __future__ import annotations
@@ -21,31 +28,76 @@ except ImportError:
 if triton is not None:
     @triton.jit
     def _snake_kernel(x_ptr, out_ptr, alpha_ptr, inv_beta_ptr, num_ch, length, sxb, sxc, sob, soc,
-                      BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        b, c = (row // num_ch).to(tl.int64), (row % num_ch).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < length
-        x = tl.load(x_ptr + b * sxb + c * sxc + offs, mask=mask).to(tl.float32)
-        s = tl.sin(x * tl.load(alpha_ptr + c))
-        y = x + tl.load(inv_beta_ptr + c) * s * s
-        tl.store(out_ptr + b * sob + c * soc + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+                      CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr):
+        """NCL: one program row per (batch, channel), ``length`` = T contiguous values. Channels-last: one row
+        per batch row, ``length`` = T*C contiguous values (frame-major), channel = offset % C. Either way the
+        loads are contiguous runs, so they vectorize."""
+        if CHANNELS_LAST:
+            b = tl.program_id(1).to(tl.int64)
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < length
+            c = offs % num_ch
+            x_row, out_row = x_ptr + b * sxb, out_ptr + b * sob
+            alpha = tl.load(alpha_ptr + c, mask=mask)
+            inv_beta = tl.load(inv_beta_ptr + c, mask=mask)
+        else:
+            row = tl.program_id(0)
+            b, c = (row // num_ch).to(tl.int64), (row % num_ch).to(tl.int64)
+            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < length
+            x_row, out_row = x_ptr + b * sxb + c * sxc, out_ptr + b * sob + c * soc
+            alpha = tl.load(alpha_ptr + c)
+            inv_beta = tl.load(inv_beta_ptr + c)
+        x = tl.load(x_row + offs, mask=mask).to(tl.float32)
+        s = tl.sin(x * alpha)
+        y = x + inv_beta * s * s
+        tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def gather_tail(full: Tensor, lens: Tensor, size: int) -> Tensor:
-    """``full[b, :, lens[b] : lens[b] + size]`` for every row (``full`` = old tail + chunk)."""
+def snake_layout(x: Tensor, out: Tensor) -> bool | None:
+    """The fused kernel's layout for ``x`` -> ``out`` (``[B, C, T]`` both): False when both are contiguous
+    along T, True when both store each batch row as ``[T, C]``, None when they agree on neither."""
+    if x.stride(-1) == 1 and out.stride(-1) == 1:
+        return False
+    c = x.shape[1]
+    if x.stride(1) == out.stride(1) == 1 and x.stride(2) == out.stride(2) == c:
+        return True
+    return None
+
+
+def channels_last_weight(w: Tensor) -> Tensor:
+    """A conv weight ``[O, I, k]`` with the same shape and values, stored ``[O, k, I]``: its ``unsqueeze(2)``
+    ``[O, I, 1, k]`` is then ``channels_last`` contiguous, the layout cuDNN's NHWC kernels take as is."""
+    return w.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def new_frames(x: Tensor, num: int, channels_last: bool) -> Tensor:
+    """An uninitialized ``[B, C, num]`` of ``x``'s dtype and device, stored ``[B, num, C]`` if ``channels_last``."""
+    b, c = x.shape[:2]
+    return x.new_empty((b, num, c)).transpose(1, 2) if channels_last else x.new_empty((b, c, num))
+
+
+def gather_tail(full: Tensor, lens: Tensor, size: int, channels_last: bool = False) -> Tensor:
+    """``full[b, :, lens[b] : lens[b] + size]`` for every row (``full`` = old tail + chunk); stored
+    ``[B, size, C]`` (whole frames gathered) if ``channels_last``, else ``[B, C, size]``."""
     idx = lens[:, None] + torch.arange(size, device=full.device)
+    if channels_last:
+        frames = full.transpose(1, 2)
+        return frames.gather(1, idx[:, :, None].expand(-1, -1, frames.shape[2])).transpose(1, 2)
     return full.gather(-1, idx[:, None, :].expand(-1, full.shape[1], -1))
 
 
-def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None) -> Tensor:
-    """``cat([tail, act(x)], -1)``, with the activation written straight into the result."""
-    if act is None:
+def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None, channels_last: bool = False) -> Tensor:
+    """``cat([tail, act(x)], -1)`` in the given layout, with the activation written straight into the result."""
+    if act is None and not channels_last:
         return torch.cat([tail, x], dim=-1)
     p = tail.shape[-1]
-    full = x.new_empty((*x.shape[:-1], p + x.shape[-1]))
+    full = new_frames(x, p + x.shape[-1], channels_last)
     full[..., :p] = tail
-    act(x, out=full[..., p:])
+    if act is None:
+        full[..., p:] = x
+    else:
+        act(x, out=full[..., p:])
     return full
 
 
@@ -95,26 +147,65 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """``out``: where to write (e.g. the chunk part of a conv's ``[tail, chunk]`` buffer)."""
-        if triton is not None and x.is_cuda and x.stride(-1) == 1:
-            return self._fused(x, x.new_empty(x.shape) if out is None else out)
+        """``out``: where to write (e.g. the chunk part of a conv's ``[tail, chunk]`` buffer). Either layout."""
+        if triton is not None and x.is_cuda:
+            dst = torch.empty_like(x) if out is None else out
+            channels_last = snake_layout(x, dst)
+            if channels_last is not None:
+                return self._fused(x, dst, channels_last)
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
         y = x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
         return y if out is None else out.copy_(y)
 
-    def _fused(self, x: Tensor, out: Tensor) -> Tensor:
-        """One pass over ``x`` instead of five, with float32 math inside (the result is stored in x's dtype)."""
+    def _fused(self, x: Tensor, out: Tensor, channels_last: bool) -> Tensor:
+        """One pass over ``x`` instead of five, with float32 math inside (the result is stored in x's dtype).
+        ``channels_last``: ``snake_layout(x, out)``."""
         alpha = self.alpha.float().exp()
         inv_beta = 1.0 / (self.beta.float().exp() + 1e-9)
         b, c, n = x.shape
-        block = min(1024, max(16, triton.next_power_of_2(n)))
-        _snake_kernel[(b * c, triton.cdiv(n, block))](x, out, alpha, inv_beta, c, n, x.stride(0), x.stride(1),
-                                                      out.stride(0), out.stride(1), BLOCK=block)
+        if channels_last:  # the large count on grid axis 0 (axis 1 stops at 65535 blocks)
+            length = n * c
+            block = min(2048, max(16, triton.next_power_of_2(length)))
+            grid = (triton.cdiv(length, block), b)
+        else:
+            length = n
+            block = min(1024, max(16, triton.next_power_of_2(n)))
+            grid = (b * c, triton.cdiv(n, block))
+        _snake_kernel[grid](x, out, alpha, inv_beta, c, length, x.stride(0), x.stride(1), out.stride(0),
+                            out.stride(1), CHANNELS_LAST=channels_last, BLOCK=block)
         return out
 
 
-class CausalConv(nn.Module):
+class _ConvLayer(nn.Module):
+    """What the causal convs share: the layout switch and the conv call in either layout."""
+
+    conv: nn.Conv1d | nn.ConvTranspose1d
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.channels_last = False
+
+    def set_channels_last(self, on: bool) -> None:
+        """Re-lay the weight in place in the layout its conv reads as is (the same parameter and shape: no
+        second copy, state dicts unchanged; the old storage is freed)."""
+        self.channels_last = on
+        w = self.conv.weight
+        w.data = channels_last_weight(w.data) if on else w.data.contiguous()
+
+    def _conv(self, x: Tensor) -> Tensor:
+        c = self.conv
+        if not self.channels_last:
+            return c(x)
+        # [B, C, 1, T] views of channels-last [B, C, T] activations and of the [O, k, I]-stored weight are
+        # NHWC contiguous, so cuDNN runs its NHWC kernels without a layout transpose either side
+        x4, w4 = x.unsqueeze(2), c.weight.unsqueeze(2)
+        if isinstance(c, nn.ConvTranspose1d):
+            return F.conv_transpose2d(x4, w4, c.bias, stride=(1, c.stride[0])).squeeze(2)
+        return F.conv2d(x4, w4, c.bias, dilation=(1, c.dilation[0]), groups=c.groups).squeeze(2)
+
+
+class CausalConv(_ConvLayer):
     """Stride-1 conv that sees only the past: the tail holds the last ``(k-1)·dilation`` inputs."""
 
     def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1) -> None:
@@ -129,12 +220,12 @@ class CausalConv(nn.Module):
                 act: SnakeBeta | None = None) -> tuple[Tensor, Tensor | None]:
         """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``)."""
         if self.context == 0:
-            return self.conv(x if act is None else act(x)), None
-        full = with_tail(tail, x, act)
-        return self.conv(full), gather_tail(full, lens, self.context)
+            return self._conv(x if act is None else act(x)), None
+        full = with_tail(tail, x, act, self.channels_last)
+        return self._conv(full), gather_tail(full, lens, self.context, self.channels_last)
 
 
-class CausalTransConv(nn.Module):
+class CausalTransConv(_ConvLayer):
     """Transposed conv (kernel k, stride s) cut to exactly ``s`` outputs per input.
 
     With k = 2s each output block depends on its own input and the previous one, so the tail is the
@@ -156,12 +247,12 @@ class CausalTransConv(nn.Module):
     def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor,
                 act: SnakeBeta | None = None) -> tuple[Tensor, Tensor | None]:
         if self.context == 0:
-            return self.conv(x if act is None else act(x)), None
+            return self._conv(x if act is None else act(x)), None
         s, num = self.stride, x.shape[-1]
-        full = with_tail(tail, x, act)
-        y = self.conv(full)
+        full = with_tail(tail, x, act, self.channels_last)
+        y = self._conv(full)
         # y[:, :, :s] belongs to the tail frame (already emitted); the last s are the right trim.
-        return y[..., s:(num + 1) * s], gather_tail(full, lens, 1)
+        return y[..., s:(num + 1) * s], gather_tail(full, lens, 1, self.channels_last)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -175,6 +266,7 @@ class ConvNeXtBlock(nn.Module):
 
     def forward(self, x: Tensor, tail: Tensor, lens: Tensor) -> tuple[Tensor, Tensor | None]:
         h, tail = self.dwconv(x, tail, lens)
+        # channels-last: these transposes are views, and the Linears read [B, T, C] rows as they are
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h.transpose(1, 2)))))
         return x + (self.gamma * h).transpose(1, 2), tail
 

@@ -35,12 +35,14 @@ SCRATCH = 0  # pool row of padded batch rows; never a stream's slot
 
 class _Pool:
     """The packed state of ``rows`` slots: ``pos [rows]``, ``kv [rows, 2 * layers, heads, w, d]``,
-    ``tails [rows, sum of tail sizes]``."""
+    ``tails [rows, sum of tail sizes]``. Each tail ``[C, P]`` is packed in the decoder's layout (``[P, C]``
+    when it is channels-last), so gather hands the layers views and scatter packs without a transpose."""
 
     def __init__(self, decoder: SpeechDecoder, rows: int) -> None:
         specs = decoder.state_specs()
         self.num_kv = 2 * decoder.cfg.num_hidden_layers
         self.tail_shapes = [shape for shape, _ in specs[1 + self.num_kv:]]
+        self.channels_last = decoder.channels_last
         p = decoder.pre_conv.conv.weight
         self.pos = torch.zeros(rows, dtype=torch.int64, device=p.device)
         self.kv = torch.zeros((rows, self.num_kv, *specs[1][0]), dtype=p.dtype, device=p.device)
@@ -55,15 +57,16 @@ class _Pool:
         """The ``SpeechDecoder.step`` state of rows ``idx`` (views into three gathered tensors)."""
         pos, kv, flat = (t.index_select(0, idx) for t in self.tensors)
         tails, off = [], 0
-        for shape in self.tail_shapes:
-            n = math.prod(shape)
-            tails.append(flat.narrow(1, off, n).view(-1, *shape))
-            off += n
+        for c, p in self.tail_shapes:
+            part = flat.narrow(1, off, c * p)
+            tails.append(part.view(-1, p, c).transpose(1, 2) if self.channels_last else part.view(-1, c, p))
+            off += c * p
         return [pos, *kv.unbind(1), *tails]
 
     def scatter(self, idx: Tensor, state: list[Tensor]) -> None:
         kv = torch.stack(state[1:1 + self.num_kv], dim=1)
-        flat = torch.cat([t.flatten(1) for t in state[1 + self.num_kv:]], dim=1)
+        tails = state[1 + self.num_kv:]
+        flat = torch.cat([(t.transpose(1, 2) if self.channels_last else t).flatten(1) for t in tails], dim=1)
         for pool_t, new_t in zip(self.tensors, (state[0], kv, flat)):
             pool_t.index_copy_(0, idx, new_t)
 

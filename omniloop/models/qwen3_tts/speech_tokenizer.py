@@ -48,16 +48,21 @@ class SpeechTokenizer:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-             load_format: str = "auto", with_encoder: bool = True, seed: int = 0) -> SpeechTokenizer:
+             load_format: str = "auto", with_encoder: bool = True, seed: int = 0,
+             channels_last: bool | None = None) -> SpeechTokenizer:
         speech_dir = speech_dir_of(model_dir)
         cfg = SpeechTokenizerConfig.from_dir(speech_dir)
         check_preprocessor(speech_dir, cfg.input_sample_rate)
-        return cls.build(cfg, device, dtype, load_format, with_encoder, seed, speech_dir)
+        return cls.build(cfg, device, dtype, load_format, with_encoder, seed, speech_dir, channels_last)
 
     @classmethod
     def build(cls, cfg: SpeechTokenizerConfig, device: str | torch.device = "cpu",
               dtype: torch.dtype = torch.float32, load_format: str = "dummy", with_encoder: bool = True,
-              seed: int = 0, speech_dir: Path | None = None) -> SpeechTokenizer:
+              seed: int = 0, speech_dir: Path | None = None, channels_last: bool | None = None) -> SpeechTokenizer:
+        """``channels_last``: the decoder's conv layout (``SpeechDecoder.set_channels_last``); None = on for
+        CUDA (cuDNN's NHWC kernels, no layout transposes), off elsewhere (the reference's layout, bit-exact).
+        On CUDA run it with ``torch.backends.cudnn.benchmark``: cuDNN's heuristic NHWC choice for the 384-channel
+        k7 d9 conv took 344 ms in a microbenchmark (benchmarks/codec-steps.md)."""
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         decoder = SpeechDecoder(cfg.decoder)
@@ -78,6 +83,7 @@ class SpeechTokenizer:
                 load_module(encoder, read_prefixed(files, "encoder."), where, "encoder.")
         decoder.refresh()  # codebook tables from float32 weights, then cast with the rest
         decoder.to(device=device, dtype=dtype).eval()
+        decoder.set_channels_last(torch.device(device).type == "cuda" if channels_last is None else channels_last)
         if encoder is not None:
             # The encoder runs once per reference clip; float32 keeps its nearest-codebook picks exact.
             encoder.to(device=device, dtype=torch.float32).eval()
