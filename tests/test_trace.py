@@ -48,6 +48,12 @@ async def test_trace_records_every_stage_step_and_request(tmp_path, monkeypatch,
     longest = [s["ms"] for s in talker["longest_steps"]]
     assert longest == sorted(longest, reverse=True) and longest[0] >= talker["p95_step_ms"] - 0.01
     assert all("seqs" in s for s in talker["longest_steps"])  # with the plan's size: what the stall was
+    # every step records the loop thread's host time: planning it and submitting it
+    assert all(e["args"]["schedule_ms"] >= 0.0 and e["args"]["submit_ms"] >= 0.0 for e in steps)
+    talker_steps = [e for e in steps if e["pid"] == next(e2["pid"] for e2 in events
+                                                          if e2["ph"] == "M" and e2["args"]["name"] == "talker")]
+    host = [e["args"]["schedule_ms"] + e["args"]["submit_ms"] for e in talker_steps]
+    assert talker["host_ms_total"] == round(sum(host), 1) and talker["host_ms_max"] == round(max(host), 2)
 
 
 def test_tracing_is_off_by_default(tmp_path, monkeypatch) -> None:

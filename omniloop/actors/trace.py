@@ -97,7 +97,8 @@ def merge_traces(directory: str | Path, out: str | Path) -> dict[str, Any]:
 def summarize(trace: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per actor: number of steps, mean and p95 step time (submit to completion), the median time between
     step starts (the pace the stage actually ran at: with steps overlapping, shorter than a step), how much
-    of the traced time a step was in flight, and its three longest steps with their plan sizes (stalls)."""
+    of the traced time a step was in flight, the loop thread's host time per step (planning + submitting: time
+    in which the stage could launch nothing else), and its three longest steps with their plan sizes (stalls)."""
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M"}
     steps: dict[int, list[dict[str, Any]]] = {}
     for e in trace["traceEvents"]:
@@ -116,12 +117,16 @@ def summarize(trace: dict[str, Any]) -> dict[str, dict[str, Any]]:
         durations = sorted(e - s for s, e in items)
         spacing = sorted(b[0] - a[0] for a, b in zip(items, items[1:]))
         longest = sorted(events, key=lambda e: -e["dur"])[:3]
+        host = sorted(e.get("args", {}).get("schedule_ms", 0.0) + e.get("args", {}).get("submit_ms", 0.0)
+                      for e in events)
         out[names.get(pid, str(pid))] = {
             "num_steps": float(len(items)),
             "mean_step_ms": sum(durations) / len(durations) / 1000.0,
             "p95_step_ms": durations[min(len(durations) - 1, int(0.95 * len(durations)))] / 1000.0,
             "median_spacing_ms": spacing[len(spacing) // 2] / 1000.0 if spacing else 0.0,
             "busy_fraction": busy / total if total > 0 else 0.0,
+            "host_ms_total": round(sum(host), 1),
+            "host_ms_max": round(host[-1], 2),
             "longest_steps": [{"ms": round(e["dur"] / 1000.0, 2), "at_ms": round((e["ts"] - items[0][0]) / 1000.0, 1),
                                **e.get("args", {})} for e in longest],
         }
