@@ -19,6 +19,7 @@ from omniloop.models.qwen3_tts import layers, sampling  # noqa: E402
 from omniloop.models.qwen3_tts.config import DecoderConfig  # noqa: E402
 from omniloop.models.qwen3_tts.layers import DecoderStack, RMSNorm, _rotate_half  # noqa: E402
 from omniloop.models.qwen3_tts.speech_layers import SnakeBeta, new_frames, snake_layout  # noqa: E402
+from tests.kv_write_reference import separate_writes  # noqa: E402
 
 
 def check_sampler() -> None:
@@ -100,26 +101,6 @@ def check_silu_mul() -> None:
     torch.testing.assert_close(silu_mul(gate_up), want, rtol=1e-5, atol=1e-5)
 
 
-def _separate_writes(qkv: torch.Tensor, nq: int, nk: int, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
-                     folded: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor | int, slots: torch.Tensor | None) -> torch.Tensor:
-    """The path ``qk_norm_rope_cache`` replaces (``Attention.forward`` before it): ``qk_norm_rope``, then
-    torch's slice copy (shared start) or ``index_put_`` (per-row positions) of k and v. Returns q."""
-    b, n, _ = qkv.shape
-    d = wq.shape[0]
-    q, k = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, folded)
-    k, v = k.transpose(1, 2), qkv[..., (nq + nk) * d:].view(b, n, nk, d).transpose(1, 2)
-    if isinstance(positions, int):
-        k_cache[:b, :, positions:positions + n] = k
-        v_cache[:b, :, positions:positions + n] = v
-    else:
-        rows = torch.arange(b) if slots is None else slots
-        index = (rows[:, None, None], torch.arange(nk)[None, :, None], positions[:, None, :])
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
-    return q
-
-
 def check_norm_rope_cache() -> None:
     """q equals ``qk_norm_rope``'s and the caches equal the separate writes' bit for bit, everything not
     written included (the caches start random), for a shared start and per-row positions, with and without
@@ -147,7 +128,7 @@ def check_norm_rope_cache() -> None:
             cache = torch.randn(2, num_slots, nk, max_len + 1, d).to(dtype)
             want_k, want_v = cache.clone()
             per_row = positions if isinstance(positions, int) else positions.reshape(b, n)
-            want_q = _separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, per_row, slots)
+            want_q = separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, per_row, slots)
             k_cache, v_cache = cache.clone()
             q = qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, positions, slots)
             case = (dtype, b, n, slots)
@@ -174,7 +155,7 @@ def check_scratch_collisions() -> None:
     slots = torch.tensor([1, 0])
     cache = torch.randn(2, 3, nk, max_len + 1, d)
     want_k, want_v = cache.clone()
-    _separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, positions, slots)
+    separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, positions, slots)
     k_cache, v_cache = cache.clone()
     qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, positions, slots)
     assert torch.equal(k_cache[..., :max_len, :], want_k[..., :max_len, :])

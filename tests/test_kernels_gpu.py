@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.kv_write_reference import separate_writes
+
 from omniloop.models.qwen3_tts.checkpoint import build_model
 from omniloop.models.qwen3_tts.config import load_tts_config
 from omniloop.models.qwen3_tts.generate import GREEDY
@@ -206,25 +208,6 @@ def test_fused_add_norm_stack_matches_the_unfused_path(monkeypatch: pytest.Monke
         assert err < 1e-2, (name, err)
 
 
-def _separate_writes(qkv, nq, nk, wq, wk, cos, folded, k_cache, v_cache, positions, slots):
-    """The writes ``qk_norm_rope_cache`` replaces: ``qk_norm_rope``, then torch's slice copy or ``index_put_``."""
-    from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope
-
-    b, n, _ = qkv.shape
-    d = wq.shape[0]
-    q, k = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, folded)
-    k, v = k.transpose(1, 2), qkv[..., (nq + nk) * d:].view(b, n, nk, d).transpose(1, 2)
-    if isinstance(positions, int):
-        k_cache[:b, :, positions:positions + n] = k
-        v_cache[:b, :, positions:positions + n] = v
-    else:
-        rows = torch.arange(b, device=qkv.device) if slots is None else slots
-        index = (rows[:, None, None], torch.arange(nk, device=qkv.device)[None, :, None], positions[:, None, :])
-        k_cache.index_put_(index, k)
-        v_cache.index_put_(index, v)
-    return q
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_cache_writes_what_the_separate_writes_write(dtype: torch.dtype) -> None:
     """One launch for q, k and v: q equals ``qk_norm_rope``'s, and both caches equal the slice copy /
@@ -247,7 +230,7 @@ def test_norm_rope_cache_writes_what_the_separate_writes_write(dtype: torch.dtyp
         folded = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)
         cache = torch.randn(2, max(num_slots, b), nk, max_len + 1, d, device=dev).to(dtype)
         want_k, want_v = cache.clone()
-        want_q = _separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, positions, slots)
+        want_q = separate_writes(qkv, nq, nk, wq, wk, cos, folded, want_k, want_v, positions, slots)
         k_cache, v_cache = cache.clone()
         at = positions if isinstance(positions, int) else positions[:, None]  # the [B, 1, L] view Attention passes
         q = qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, at, slots)

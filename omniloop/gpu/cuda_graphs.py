@@ -13,6 +13,7 @@ stream, so sharing is safe.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +44,19 @@ def pick(buckets: tuple[int, ...], need: int) -> int:
     return buckets[i]
 
 
+def capture(fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream,
+            pool: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run ``fn`` once on ``stream`` (warm-up: lazy library init must not happen inside a capture), then
+    capture it into a graph on ``pool``; returns the graph and its output."""
+    with torch.cuda.stream(stream):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another stage placed as a thread of this process may use CUDA meanwhile
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
+
+
 class FrameGraphs:
     """Captured ``TalkerState.decode_frame`` per (b, kv); ``replay`` runs on the current stream."""
 
@@ -62,13 +76,7 @@ class FrameGraphs:
 
     def _capture(self, state: TalkerState, stream: torch.cuda.Stream, b: int,
                  kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        with torch.cuda.stream(stream):
-            state.decode_frame(b, kv_len)  # warm-up: lazy library init must not happen inside a capture
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another stage placed as a thread of this process may use CUDA meanwhile
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = state.decode_frame(b, kv_len)
-        return graph, out
+        return capture(lambda: state.decode_frame(b, kv_len), stream, self._pool)
 
     @property
     def num_graphs(self) -> int:

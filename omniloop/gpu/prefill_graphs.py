@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from omniloop.gpu.cuda_graphs import capture
 from omniloop.gpu.talker_state import TalkerState
 
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
@@ -59,12 +60,7 @@ class PrefillGraphs:
 
     def _capture(self, stream: torch.cuda.Stream, rows: int, tokens: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # every position is the scratch one here: warm-up and capture write no slot's real KV
-        with torch.cuda.stream(stream):
-            self._forward(rows, tokens)  # warm-up: lazy library init must not happen inside a capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = self._forward(rows, tokens)
-        return graph, out
+        return capture(lambda: self._forward(rows, tokens), stream, self._pool)
 
     def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
         """The captured shape of least area that holds ``num_rows`` pieces of up to ``longest`` tokens (None:
