@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omniloop.models.qwen3_tts.speech_layers import (
-    CausalConv, CausalTransConv, SnakeBeta, new_frames, snake_layout,
+    CausalConv, CausalTransConv, new_frames, snake_layout,
 )
 from omniloop.models.qwen3_tts.speech_stream import CodecStreams
 from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
@@ -178,12 +178,9 @@ def test_cuda_channels_last_graphs_equal_reference_layout() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_cuda_snake_kernel_channels_last(dtype: torch.dtype, tol: float) -> None:
-    torch.manual_seed(0)
-    act = SnakeBeta(96).cuda()
-    with torch.no_grad():
-        act.alpha.normal_(0, 0.3)
-        act.beta.normal_(0, 0.3)
-    act = act.to(dtype)
+    from tests.test_codec_gpu import random_snake, snake_reference
+
+    act = random_snake(dtype)
     src = new_frames(torch.empty(3, 96, 0, device="cuda", dtype=dtype), 1003, True).normal_(0, 2)
     x = src[..., 2:]  # a trimmed transposed-conv output: rows strided, frames dense
     buf = new_frames(x, 1007, True).zero_()
@@ -191,9 +188,7 @@ def test_cuda_snake_kernel_channels_last(dtype: torch.dtype, tol: float) -> None
     with torch.no_grad():
         act(x, out=buf[..., 6:])
         fused = act(x.contiguous().transpose(1, 2).contiguous().transpose(1, 2))
-        xf = x.float()
-        want = xf + (1.0 / (act.beta.float().exp()[None, :, None] + 1e-9)) * torch.sin(
-            xf * act.alpha.float().exp()[None, :, None]).pow(2)
+        want = snake_reference(act, x)
     assert fused.stride(1) == 1  # the layout is kept
     for got in (buf[..., 6:], fused):
         assert (got.float() - want).abs().max() / want.abs().max() < tol

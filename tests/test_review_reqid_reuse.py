@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import torch
 
 from omniloop.actors.engine import Engine
 from omniloop.profile import load_profile
@@ -65,6 +66,7 @@ class _Streams:
 
     def __init__(self) -> None:
         self.open_ids: set[str] = set()
+        self.device = torch.device("cpu")
 
     def open(self, req_id: str) -> None:
         if req_id in self.open_ids:

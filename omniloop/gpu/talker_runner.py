@@ -134,10 +134,7 @@ class TalkerSteps:
             # flight, stalling the loop thread (build_prompt takes codec ids by host index, no copy at all)
             on_device = {f: self._to_device(getattr(inputs, f)) for f in _INPUT_TENSORS if getattr(inputs, f) is not None}
             prompt = build_prompt(self.model, dataclasses.replace(inputs, **on_device))
-        limit = self.state.cache.trailing.shape[1]
-        if prompt.trailing.shape[0] > limit:  # checked here: request-scoped, not a failed step
-            raise ValueError(f"trailing text of {prompt.trailing.shape[0]} positions exceeds the runner's "
-                             f"max_trailing={limit}")
+        self.state.check_trailing(prompt.trailing)  # here: request-scoped, not a failed step
         self.context.pop(new.slot, None)
         if inputs.ref_code is not None:
             self.context[new.slot] = inputs.ref_code.cpu().numpy().astype(np.int64)
@@ -170,7 +167,7 @@ class TalkerSteps:
         if whole:
             bucket = self.prefill_graphs.bucket(len(whole), max(seqs[i].num_tokens for i in whole))
         graphed = whole if bucket is not None else []
-        eager = [i for i in range(len(seqs)) if i not in set(graphed)]
+        eager = sorted(set(range(len(seqs))) - set(graphed))
         if graphed:
             slots = np.array([seqs[i].slot for i in graphed], dtype=np.int64)
             hidden = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)

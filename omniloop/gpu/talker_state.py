@@ -67,6 +67,12 @@ class TalkerState:
         """Start ``slot`` over for a new request (``reset_many`` of one)."""
         self.reset_many([slot], [embeds], [trailing], [sampling], [seed])
 
+    def check_trailing(self, trailing: torch.Tensor) -> None:
+        """A request's trailing text must fit its slot: growing would move the buffer captured graphs read."""
+        if trailing.shape[0] > self.cache.trailing.shape[1]:
+            raise ValueError(f"trailing text of {trailing.shape[0]} positions exceeds the runner's "
+                             f"max_trailing={self.cache.trailing.shape[1]}")
+
     def reset_many(self, slots: list[int], embeds: list[torch.Tensor], trailing: list[torch.Tensor],
                    sampling: list[dict], seeds: list[int]) -> None:
         """Start ``slots`` over for new requests: trailing text and code-0 history per slot, then every
@@ -74,10 +80,7 @@ class TalkerState:
         scatter per field (not one fill per field per slot). No host sync: the copy is from pinned memory
         (``t[slot] = x`` would be a pageable copy, which waits for the step in flight)."""
         for t in trailing:
-            if t.shape[0] > self.cache.trailing.shape[1]:
-                # growing would move the buffer that captured graphs read
-                raise ValueError(f"trailing text of {t.shape[0]} positions exceeds the runner's "
-                                 f"max_trailing={self.cache.trailing.shape[1]}")
+            self.check_trailing(t)
         for slot, t in zip(slots, trailing):
             self.model.set_trailing(slot, t)  # also clears the code-0 history
         rows = [{**GREEDY, **s, "seed": seed} for s, seed in zip(sampling, seeds)]
@@ -102,7 +105,7 @@ class TalkerState:
             field = getattr(self.params, name)
             col = dev[1 + i]
             if field.dtype.is_floating_point:
-                col = col.to(torch.int32).view(torch.float32).to(field.dtype)
+                col = col.to(torch.int32).view(torch.float32)
             field.index_copy_(0, index, col.to(field.dtype))
         self.step.index_fill_(0, index, 0)
         for slot, e in zip(slots, embeds):

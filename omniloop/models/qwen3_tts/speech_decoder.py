@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from omniloop.models.qwen3_tts.speech_config import DecoderConfig
 from omniloop.models.qwen3_tts.speech_layers import (
     CausalConv, CausalTransConv, ConvNeXtBlock, LayerScale, ResidualUnit, RMSNorm, SnakeBeta, apply_rope,
-    rope_cos_sin,
+    channels_last_copy, rope_cos_sin,
 )
 
 StateSpec = tuple[tuple[int, ...], torch.dtype | None]  # per-row shape; dtype None = the model's dtype
@@ -247,7 +247,7 @@ class SpeechDecoder(nn.Module):
                  for shape, dtype in self.state_specs()]
         if self.channels_last:  # conv tails [B, C, P] stored [B, P, C], as the layers produce them
             first = len(state) - len(self._conv_layers())
-            state[first:] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in state[first:]]
+            state[first:] = [channels_last_copy(t) for t in state[first:]]
         return state
 
     def step(self, codes: Tensor, lens: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:

@@ -65,10 +65,11 @@ def snake_layout(x: Tensor, out: Tensor) -> bool | None:
     return None
 
 
-def channels_last_weight(w: Tensor) -> Tensor:
-    """A conv weight ``[O, I, k]`` with the same shape and values, stored ``[O, k, I]``: its ``unsqueeze(2)``
-    ``[O, I, 1, k]`` is then ``channels_last`` contiguous, the layout cuDNN's NHWC kernels take as is."""
-    return w.transpose(1, 2).contiguous().transpose(1, 2)
+def channels_last_copy(t: Tensor) -> Tensor:
+    """``t`` (``[N, C, T]``: a conv weight ``[O, I, k]``, a tail) with the same shape and values, stored
+    ``[N, T, C]``: for a weight, its ``unsqueeze(2)`` ``[O, I, 1, k]`` is then ``channels_last`` contiguous,
+    the layout cuDNN's NHWC kernels take as is."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def new_frames(x: Tensor, num: int, channels_last: bool) -> Tensor:
@@ -191,7 +192,7 @@ class _ConvLayer(nn.Module):
         second copy, state dicts unchanged; the old storage is freed)."""
         self.channels_last = on
         w = self.conv.weight
-        w.data = channels_last_weight(w.data) if on else w.data.contiguous()
+        w.data = channels_last_copy(w.data) if on else w.data.contiguous()
 
     def _conv(self, x: Tensor) -> Tensor:
         c = self.conv

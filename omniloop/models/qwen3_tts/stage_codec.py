@@ -37,7 +37,7 @@ class CodecRunner(CpuRunner):
         # its own stream at normal priority (below the talker's): in a shared process the talker's kernels go
         # first, and nothing waits on the legacy default stream
         self._stream = None
-        self._device = getattr(streams, "device", torch.device("cpu"))
+        self._device = streams.device
         if self._device.type == "cuda":
             self._stream = torch.cuda.Stream(self._device)
             self._stream.wait_stream(torch.cuda.current_stream(self._device))  # the warm-up's writes first
