@@ -238,3 +238,27 @@ def test_submit_is_forwarded_so_the_codec_learns_the_request():
     assert [(n.req_id, n.payload) for n in plan.new] == [("a", "hello")] and plan.num_tokens == 5
     emits = sched.add("b", Submit(req_id="b", request=SpeechRequest(text="")), {})  # prepare raises below
     assert [(e.dest, e.msg.reason) for e in emits] == [("frontend", "error")] and sched.num_requests == 1
+
+
+def test_admission_never_takes_the_playing_streams_decodes():
+    """A wave of prompts is more urgent (dry since arrival) than streams with audio buffered, but it only
+    gets the budget left after their decodes: the streams keep playing while the wave is prefilled."""
+    clock = Clock()
+    sched = make(clock, max_num_tokens=10, num_kv_blocks=128)
+    for name in ("a", "b"):
+        sched.add(name, ArPrompt(num_prompt_tokens=2, max_frames=100, arrival=0.0))
+    plan = sched.schedule()
+    sched.update(plan, result(plan))  # a and b prefilled, one frame each: now decoding
+    clock.now = 0.05
+    sched.add("c", ArPrompt(num_prompt_tokens=30, max_frames=100, arrival=0.0))
+    plan = sched.schedule()
+    assert {(s.req_id, s.num_tokens) for s in plan.seqs} == {("a", 1), ("b", 1), ("c", 8)}
+    sched.update(plan, result(plan))
+    # a budget too small for the decodes alone: the deadline order decides (c, dry since 0, goes first)
+    small = make(clock, max_num_tokens=2, num_kv_blocks=128)
+    for name in ("a", "b"):
+        small.add(name, ArPrompt(num_prompt_tokens=1, max_frames=100, arrival=0.0))
+    plan = small.schedule()
+    small.update(plan, result(plan))
+    small.add("c", ArPrompt(num_prompt_tokens=30, max_frames=100, arrival=0.0))
+    assert [(s.req_id, s.num_tokens) for s in small.schedule().seqs] == [("c", 2)]

@@ -135,14 +135,26 @@ class ArScheduler:
         plan = ArStepPlan(step_id=self._next_step_id, seqs=[])
         reqs: list[ArRequest] = []
         budget = self.config.max_num_tokens
-        # Seated and waiting requests compete by deadline alike (a waiting one is dry since arrival).
-        # The first waiting request short of blocks stops admission, so a large request is not
-        # starved by smaller ones behind it.
+        # Seated and waiting requests compete by deadline alike (a waiting one is dry since arrival),
+        # except that prefill never takes the positions of the seated streams' decodes while the budget
+        # holds them all: a decode costs one position, a prompt hundreds, and deferring the decodes
+        # behind a wave of admissions would stall every playing stream for each prefill step (the frame
+        # step runs anyway when a prompt ends). A budget too small for the decodes alone falls back to
+        # the deadline order. The first waiting request short of blocks stops admission, so a large
+        # request is not starved by smaller ones behind it.
+        num_decodes = sum(req.can_decode for req in self._seated.values())
+        reserved = num_decodes if num_decodes < budget else 0
         is_admission_blocked = False
         for req in by_deadline([*self._seated.values(), *self._waiting.values()], now):
             if budget == 0:
                 break
-            num_tokens, is_sample = self._next_piece(req, budget)
+            is_decode = req.can_decode  # (its prompt is all fed: it has no prefill piece)
+            if is_decode and reserved:
+                reserved -= 1
+            room = budget if is_decode else budget - reserved
+            if room == 0:
+                continue
+            num_tokens, is_sample = self._next_piece(req, room)
             if num_tokens == 0:
                 if req.state is not ArState.WAITING and not req.is_input_complete:
                     req.state = ArState.PARKED
