@@ -144,6 +144,11 @@ class ArScheduler:
         # request is not starved by smaller ones behind it.
         num_decodes = sum(req.can_decode for req in self._seated.values())
         reserved = num_decodes if num_decodes < budget else 0
+        # A prompt's first piece is as large as an otherwise empty step allows: the whole prompt, or all of
+        # that room for a longer one. One cut shorter waits for a later step (smaller prompts behind it may
+        # use the room meanwhile): only first pieces replay a captured prefill graph, and every further
+        # piece runs eagerly (~700 kernel launches from the loop thread).
+        whole_room = budget - reserved
         is_admission_blocked = False
         for req in by_deadline([*self._seated.values(), *self._waiting.values()], now):
             if budget == 0:
@@ -152,7 +157,7 @@ class ArScheduler:
             if is_decode and reserved:
                 reserved -= 1
             room = budget if is_decode else budget - reserved
-            if room == 0:
+            if room == 0 or req.num_computed == 0 and room < min(req.num_prefill_ready, whole_room):
                 continue
             num_tokens, is_sample = self._next_piece(req, room)
             if num_tokens == 0:
