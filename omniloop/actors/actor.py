@@ -139,7 +139,7 @@ def process_main(spec_bytes: bytes) -> None:
 
     async def main() -> int:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, actor.request_stop, "SIGTERM")
-        return await actor.run()
+        return await actor.run(freeze_heap=True)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(main())

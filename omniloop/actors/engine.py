@@ -10,6 +10,7 @@ stage_died, or shutdown.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 from collections import Counter
@@ -97,6 +98,10 @@ class Engine:
         except BaseException:
             await self._stop_all(timeout_s=0.0)
             raise
+        # Everything built so far (torch, the models, captured graphs) lives as long as the engine: keep it out
+        # of the cyclic collector, whose full pass over it held the GIL ~60-100 ms, stalling every stage thread
+        # at once (a stream's whole buffer at first audio). Back to collectable at shutdown.
+        gc.freeze()
         self._is_ready = True
         log.info("engine_ready", profile=self.profile.name, stages=self.profile.stage_names)
 
@@ -127,6 +132,7 @@ class Engine:
     async def _stop_all(self, timeout_s: float) -> None:
         self._is_ready = False
         self._is_closed = True
+        gc.unfreeze()
         try:
             if self.supervisor is not None:
                 # each stage gets the caller's timeout to exit on its own (a GPU stage frees graphs and caches),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import os
 import time
 import traceback
@@ -66,8 +67,10 @@ class StageActor:
         self.start_error: str | None = None  # set when start-up failed; also sent in Ready(ok=False)
 
     # ---- lifecycle
-    async def run(self) -> int:
-        """Start, report Ready, serve until stopped; always closes what it opened. Returns the exit code."""
+    async def run(self, freeze_heap: bool = False) -> int:
+        """Start, report Ready, serve until stopped; always closes what it opened. Returns the exit code.
+        ``freeze_heap`` (a stage process): what start-up built is moved out of the cyclic collector (as the
+        engine does for its process, see ``Engine.start``)."""
         loop = asyncio.get_running_loop()
         self._doorway = doorway_for(loop)
         self._stopped = loop.create_future()
@@ -82,6 +85,8 @@ class StageActor:
                 log_.error("stage_start_failed", error=self.start_error)
                 self._to_frontend.send(Ready(self.stage.name, os.getpid(), ok=False, error=self.start_error))
                 return EXIT_START_FAILED
+            if freeze_heap:
+                gc.freeze()
             self._to_frontend.send(Ready(self.stage.name, os.getpid(), info={"model": self.stage.model}))
             log_.info("stage_ready", model=self.stage.model, placement=self.stage.placement)
             reason = await self._stopped
