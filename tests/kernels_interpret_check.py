@@ -8,10 +8,12 @@ import dataclasses
 import os
 
 import torch
+import torch.nn.functional as F
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from omniloop.gpu.kernels.add_rms_norm import add_rms_norm  # noqa: E402
+from omniloop.gpu.kernels.decode_attention import decode_attention  # noqa: E402
 from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache  # noqa: E402
 from omniloop.gpu.kernels.silu_mul import silu_mul  # noqa: E402
 from omniloop.gpu.kernels.sampler import sample_rows  # noqa: E402
@@ -216,6 +218,70 @@ def check_attention_writes_kv() -> None:
             case = (dtype, b, n, slots)
             assert all(torch.equal(a, c) for a, c in zip(out[True], out[False])), case
             assert not torch.equal(out[True][1], cache[0]), case
+
+
+def check_decode_attention() -> None:
+    """The decode-attention kernel against SDPA with the mask it stands for, in float32: the talker's decode (one
+    token per row, key <= position, a row parked on the scratch position past the bucket reads the whole bucket)
+    through slots and with row = slot, over several key blocks; the code predictor's shared length with two causal
+    tokens and with one. Queries are a strided view of fused QKV rows, as the unfused-write path passes them."""
+    torch.manual_seed(9)
+    nq, nk, d, num_slots, max_len = 4, 2, 16, 5, 150
+    k_cache, v_cache = torch.randn(2, num_slots, nk, max_len + 1, d)
+    positions = torch.tensor([4, max_len, 0, 130])  # row 1: scratch (inactive or fresh)
+    cases = [  # (L, kv_len, positions, slots)
+        (1, 140, positions, None),  # 140 keys: three blocks of 64, the last partial
+        (1, 140, positions, torch.tensor([3, 0, 4, 1])),
+        (1, 9, positions.clamp(max=8), torch.tensor([2, 2, 0, 1])),  # a slot read by two rows
+        (2, 2, None, None),  # code predictor, first step: causal
+        (1, 17, None, None),  # code predictor, last step
+    ]
+    for n, kv_len, pos, slots in cases:
+        b = 4
+        q = torch.randn(b, n, (nq + 2 * nk) * d)[..., :nq * d].view(b, n, nq, d)
+        rows = torch.arange(b) if slots is None else slots
+        keys, values = k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
+        if pos is None:
+            want = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=n > 1, enable_gqa=True)
+        else:
+            mask = torch.arange(kv_len)[None, None, None, :] <= pos[:, None, None, None]
+            want = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True)
+        got = decode_attention(q, k_cache, v_cache, kv_len, None if pos is None else pos + 1, slots)
+        assert got.shape == (b, n, nq, d) and got.is_contiguous()
+        torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5, msg=str((n, kv_len, slots)))
+    check_attention_decode_kernel()
+
+
+def check_attention_decode_kernel() -> None:
+    """``Attention.forward`` through the decode kernel (``StackStep.decode_lengths`` set as ``_step`` sets it on
+    CUDA in half precision) equals its SDPA path: talker decode with and without slots, a scratch row among
+    them, and the code predictor's shared-start steps. float32 here (the step is the CPU one, plus the rope rows
+    and lengths), so the comparison is to rounding."""
+    cfg = DecoderConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
+    torch.manual_seed(10)
+    max_len = 12
+    stack = DecoderStack(cfg)
+    stack.fuse()
+    attn = stack.layers[0].self_attn
+    cos_table, _, folded_table = stack.rope.table(max_len + 1, torch.float32)
+    decode = torch.tensor([[4], [max_len], [0]])
+    cases = [(2, 0, None, 2), (1, 2, None, 3), (1, decode, None, 8), (1, decode, torch.tensor([2, 0, 3]), 8)]
+    for n, positions, slots, kv_len in cases:
+        x = torch.randn(3, n, cfg.hidden_size)
+        cache = torch.randn(2, 1, 4, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+        step = stack._step(x, positions, cache[0], slots, kv_len)
+        at = (torch.arange(positions, positions + n) if isinstance(positions, int)
+              else positions.clamp(max=max_len).reshape(-1))
+        step = dataclasses.replace(step, rows=(cos_table[at], folded_table[at]))
+        lengths = kv_len if isinstance(positions, int) else positions[:, 0] + 1
+        out = []
+        for s in (step, dataclasses.replace(step, decode_lengths=lengths, mask=None)):
+            k_cache, v_cache = cache.clone()
+            with torch.no_grad():
+                out.append(attn(x, k_cache[0], v_cache[0], s))
+        torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5, msg=str((n, slots)))
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

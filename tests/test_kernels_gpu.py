@@ -324,3 +324,91 @@ def test_fused_kv_write_replays_in_a_cuda_graph() -> None:
     assert torch.equal(hidden, want)
     assert torch.equal(k_graph, k_eager) and torch.equal(v_graph, v_eager)
     assert not torch.equal(k_graph[:, 3, :, 9], k[:, 3, :, 9])  # the replay wrote where the new inputs say
+
+
+def _masked_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """q ``[B, L, Hq, D]``, keys/values ``[B, Hkv, T, D]``, visible bool ``[B, L, T]`` -> ``[B, L, Hq, D]``."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), keys, values,
+                                                           attn_mask=visible[:, None], enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_matches_sdpa(dtype: torch.dtype) -> None:
+    """The decode-attention kernel at the 1.7B's shapes (16 query heads on 8 kv heads of 128) against float32
+    SDPA of the same half-precision inputs with the mask it stands for: the talker's decode over a 256-key
+    bucket (per-row lengths, rows on the scratch position read the whole bucket, with and without slots), a
+    long context, and the code predictor's causal first step and its last step. Its error is at most about
+    the error of the half-precision SDPA it replaces (both round the probabilities and the output once)."""
+    from omniloop.gpu.kernels.decode_attention import decode_attention
+
+    torch.manual_seed(0)
+    dev, nq, nk, d = "cuda", 16, 8, 128
+    talker = torch.randn(2, 72, nk, 2049, d, device=dev).to(dtype)
+    cp = torch.randn(2, 64, nk, 17, d, device=dev).to(dtype)
+    pos = torch.randint(0, 256, (64,), device=dev)
+    pos[::7] = 2048  # scratch: inactive or fresh rows
+    cases = [  # (B, L, cache, kv_len, positions or None, slots)
+        (64, 1, talker, 256, pos, None),
+        (64, 1, talker, 256, pos, torch.randperm(72, device=dev)[:64]),
+        (4, 1, talker, 2048, torch.tensor([2047, 1000, 5, 2048], device=dev), torch.tensor([70, 3, 9, 0], device=dev)),
+        (64, 2, cp, 2, None, None),
+        (64, 1, cp, 17, None, None),
+    ]
+    for b, n, (k_cache, v_cache), kv_len, positions, slots in cases:
+        q = torch.randn(b, n, (nq + 2 * nk) * d, device=dev).to(dtype)[..., :nq * d].view(b, n, nq, d)
+        rows = torch.arange(b, device=dev) if slots is None else slots
+        keys, values = k_cache[rows, :, :kv_len], v_cache[rows, :, :kv_len]
+        if positions is None:  # shared length; token l of L sees keys below kv_len - (L - 1 - l)
+            limit = kv_len - (n - 1) + torch.arange(n, device=dev)
+            visible = (torch.arange(kv_len, device=dev) < limit[:, None]).expand(b, n, kv_len)
+        else:
+            visible = (torch.arange(kv_len, device=dev) <= positions[:, None])[:, None]
+        want = _masked_sdpa(q.float(), keys.float(), values.float(), visible)
+        got = decode_attention(q, k_cache, v_cache, kv_len, None if positions is None else positions + 1, slots)
+        assert got.dtype == dtype and got.shape == (b, n, nq, d) and got.is_contiguous()
+        case = (b, n, kv_len, slots is None)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2, msg=str(case))
+        sdpa_err = (_masked_sdpa(q, keys, values, visible).float() - want).abs().max().item()
+        err = (got.float() - want).abs().max().item()
+        assert err <= 2 * sdpa_err + 1e-3, (case, err, sdpa_err)
+
+
+@torch.no_grad()
+def test_stack_with_decode_attention_kernel_matches_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 decoder stack with ``FUSED_DECODE_ATTENTION`` on (the Triton kernel for every decode and code-
+    predictor attention, no mask built) and off (SDPA): talker decode with and without slots (a row on the
+    scratch position among them) and the code predictor's shared-start steps give the same outputs to bf16
+    rounding and the same caches bit for bit; a prefill keeps SDPA."""
+    from omniloop.gpu.kernels import decode_attention as kernel
+    from omniloop.models.qwen3_tts import layers
+
+    cfg, stack = _tiny_stack(torch.bfloat16)
+    calls = []
+    fused_kernel = kernel.decode_attention
+    monkeypatch.setattr(kernel, "decode_attention", lambda *a: calls.append(1) or fused_kernel(*a))
+    h, max_len, dev = cfg.hidden_size, 40, "cuda"
+    shape = (cfg.num_layers, 6, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+    k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    cp_k, cp_v = (torch.randn(cfg.num_layers, 4, cfg.num_kv_heads, 17, cfg.head_dim, device=dev,
+                              dtype=torch.bfloat16) for _ in range(2))
+    decode_pos = torch.tensor([[7], [max_len], [30], [0]], device=dev)
+    x = torch.randn(4, 2, h, device=dev, dtype=torch.bfloat16)
+    calls_of = {  # name: (x, positions, caches, slots, kv_len, uses the kernel)
+        "decode": (x[:, :1], decode_pos, (k, v), None, 32, True),
+        "decode slots": (x[:, :1], decode_pos, (k, v), torch.tensor([5, 0, 2, 3], device=dev), 32, True),
+        "cp first": (x, 0, (cp_k, cp_v), None, 2, True),
+        "cp step": (x[:, :1], 9, (cp_k, cp_v), None, 10, True),
+        "prefill": (x, torch.tensor([[3, 4]] * 4, device=dev), (k, v), None, 5, False),
+    }
+    for name, (inp, positions, (k_cache, v_cache), slots, kv_len, uses_kernel) in calls_of.items():
+        out = {}
+        for fused in (True, False):
+            monkeypatch.setattr(layers, "FUSED_DECODE_ATTENTION", fused)
+            calls.clear()
+            kc, vc = k_cache.clone(), v_cache.clone()
+            out[fused] = (stack(inp, positions, kc, vc, slots, kv_len).float(), kc, vc)
+            assert len(calls) == (cfg.num_layers if fused and uses_kernel else 0), name
+        assert torch.equal(out[True][1], out[False][1]) and torch.equal(out[True][2], out[False][2]), name
+        err = ((out[True][0] - out[False][0]).norm() / out[False][0].norm()).item()
+        assert err < 1e-2, (name, err)

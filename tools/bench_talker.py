@@ -292,6 +292,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="only the torch.compile experiment")
     parser.add_argument("--sampling", action="store_true", help="only the sampling cost breakdown")
     parser.add_argument("--no-fused-norm-rope", action="store_true", help="torch q/k norm + rope on CUDA")
+    parser.add_argument("--no-fused-decode-attention", action="store_true",
+                        help="SDPA for the talker decode and code predictor attention on CUDA")
     parser.add_argument("--prefill", nargs="*", help="only prefill plans of BxL, e.g. 1x120 36x120")
     parser.add_argument("--no-prefill-graphs", action="store_true", help="--prefill: the eager prefill")
     parser.add_argument("--kernels", action="store_true", help="also list the kernels of one frame by launches")
@@ -299,6 +301,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.no_fused_norm_rope:
         layers.FUSED_NORM_ROPE = False
+    if args.no_fused_decode_attention:
+        layers.FUSED_DECODE_ATTENTION = False
     torch.manual_seed(0)
     configure_cuda_stage()  # as every GPU stage of the engine runs (cuDNN attention off)
     cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))  # the released 1.7B shapes
@@ -308,7 +312,8 @@ def main() -> None:
             if p.dim() > 1:
                 p.normal_(0.0, 0.02)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"fused norm+rope {layers.FUSED_NORM_ROPE}, talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
+          f"fused norm+rope {layers.FUSED_NORM_ROPE}, fused decode attention {layers.FUSED_DECODE_ATTENTION}, "
+          f"talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
     if args.compile or args.sampling or args.prefill:
         if args.prefill:
             rows = bench_prefill(model, args.prefill, prefill_graphs=not args.no_prefill_graphs)

@@ -11,8 +11,9 @@ attention needs no mask and the cache write is a slice copy).
 
 On CUDA the same math runs in fewer kernels (graph replay is bound by kernel count, not bytes):
 ``F.rms_norm``, a per-position rope table and one ``addcmul`` rotation, decode attention with GQA as
-``[B, kv_heads, groups, D]`` queries and an additive bias. The CPU path keeps the reference's exact
-float32 formulas.
+``[B, kv_heads, groups, D]`` queries and an additive bias; in bf16/fp16 the decode and code-predictor
+attention is one Triton kernel that reads each row's cache up to its length (no mask). The CPU path keeps
+the reference's exact float32 formulas.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ FUSED_KV_WRITE = True
 # CUDA bf16/fp16: each residual add fused into the RMSNorm that follows it (``gpu/kernels/add_rms_norm.py``;
 # ``DecoderStack._forward_fused``); a switch so benchmarks can measure the add + norm kernels it replaces
 FUSED_ADD_NORM = True
+# CUDA bf16/fp16: the talker's decode attention (one token per row) and the code predictor's steps (one or two
+# tokens, shared positions) in one Triton kernel that reads each row's cache up to its own length
+# (``gpu/kernels/decode_attention.py``): no SDPA, no per-step mask; a switch so benchmarks can measure SDPA
+FUSED_DECODE_ATTENTION = True
 
 
 class RMSNorm(nn.Module):
@@ -122,6 +127,9 @@ class StackStep:
     slots: torch.Tensor | None
     mask: torch.Tensor | None  # bool [B, 1, L, kv_len] (True = may attend), or additive [B, 1, 1, kv_len]
     rows: tuple[torch.Tensor, torch.Tensor] | None = None  # CUDA: cos, folded sin [R, D] for the fused kernel
+    # set when attention runs the fused decode kernel (then ``mask`` is None): the int kv_len shared by every
+    # row, or each row's position + 1 ``[B]`` (the kernel clamps it to kv_len: scratch rows read the bucket)
+    decode_lengths: torch.Tensor | int | None = None
 
     def norm_rope(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """RMSNorm over the last dim, then rope; x ``[B, L, heads, D]``."""
@@ -214,6 +222,12 @@ class Attention(nn.Module):
             else:
                 k_cache.index_put_(s.index, k)
                 v_cache.index_put_(s.index, v)
+        if s.decode_lengths is not None:
+            from omniloop.gpu.kernels.decode_attention import decode_attention
+
+            lengths = None if isinstance(s.decode_lengths, int) else s.decode_lengths
+            out = decode_attention(q, k_cache, v_cache, s.kv_len, lengths, s.slots)
+            return self.o_proj(out.view(b, n, -1))
         if s.slots is None:
             keys, values = k_cache[:b, :, :s.kv_len], v_cache[:b, :, :s.kv_len]
         else:
@@ -372,6 +386,7 @@ class DecoderStack(nn.Module):
               slots: torch.Tensor | None, kv_len: int) -> StackStep:
         b, n, dev = x.shape[0], x.shape[1], x.device
         fast = x.is_cuda
+        fused_attention = FUSED_DECODE_ATTENTION and fast and x.dtype in (torch.bfloat16, torch.float16)
         if isinstance(positions, int):
             if kv_len != positions + n or (n > 1 and positions != 0) or slots is not None:
                 raise ValueError("shared positions need kv_len = start + L, start 0 when L > 1, and slots=None")
@@ -379,7 +394,7 @@ class DecoderStack(nn.Module):
             window = slice(positions, positions + n)
             rows = (cos[window], sin_folded[window]) if fast else None
             return StackStep(cos[window, None], (sin_folded if fast else sin)[window, None], kv_len, fast,
-                             positions, None, None, None, rows)
+                             positions, None, None, None, rows, kv_len if fused_attention and n <= 2 else None)
         if positions.dim() == 2 and positions.shape[1] == 1 and fast:
             cos, _, sin_folded = self.rope.table(k_cache.shape[3], x.dtype)
             # positions >= the table (none in practice) would read out of bounds: clamp like the writes
@@ -397,6 +412,8 @@ class DecoderStack(nn.Module):
         heads = torch.arange(self.num_kv_heads, device=dev)
         batch_rows = torch.arange(b, device=dev) if slots is None else slots
         index = (batch_rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
+        if fused_attention and n == 1:  # the kernel masks by length: no mask to build
+            return StackStep(cos, sin, kv_len, fast, None, index, slots, None, rows, positions[:, 0] + 1)
         keys = torch.arange(kv_len, device=dev)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]
         if fast and n == 1:
