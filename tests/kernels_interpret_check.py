@@ -22,6 +22,7 @@ from omniloop.models.qwen3_tts.config import DecoderConfig  # noqa: E402
 from omniloop.models.qwen3_tts.layers import DecoderStack, RMSNorm, _rotate_half  # noqa: E402
 from omniloop.models.qwen3_tts.speech_layers import SnakeBeta, new_frames, snake_layout  # noqa: E402
 from tests.kv_write_reference import separate_writes  # noqa: E402
+from tests.sampler_edge_rows import edge_rows  # noqa: E402
 
 
 def check_sampler() -> None:
@@ -74,6 +75,18 @@ def check_boundaries(vocab: int) -> None:
     assert torch.equal(got, order[rows, j]), "top-p cut"
     assert torch.equal(got, sampling.sample_noisy(logits, do_sample, temperature, torch.zeros(b, dtype=torch.int64),
                                                   top_p, noise))
+
+
+def check_sampler_edges() -> None:
+    """Ties across the k-th place and at the top-p cut, all-equal rows, -inf rows, +-0.0, top-k of 1 and past
+    the vocabulary, temperatures, greedy rows, a vocabulary of no power of two: the exact torch token."""
+    sampling.FUSED_SAMPLER = False
+    for vocab in (37, 300):
+        rows = edge_rows(vocab)
+        got = sample_rows(**rows)
+        assert torch.equal(got, sampling.sample_noisy(**rows)), vocab
+        greedy = ~rows["do_sample"]
+        assert torch.equal(got[greedy], rows["logits"][greedy].argmax(-1))
 
 
 def check_norm_rope() -> None:
@@ -378,10 +391,12 @@ def check_snake() -> None:
 
 if __name__ == "__main__":
     check_sampler()
+    check_sampler_edges()
     check_norm_rope()
     check_silu_mul()
     check_norm_rope_cache()
     check_attention_writes_kv()
+    check_decode_attention()
     check_add_rms_norm()
     check_fused_stack()
     check_snake()

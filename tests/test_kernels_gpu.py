@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.kv_write_reference import separate_writes
+from tests.sampler_edge_rows import edge_rows
 
 from omniloop.models.qwen3_tts.checkpoint import build_model
 from omniloop.models.qwen3_tts.config import load_tts_config
@@ -137,6 +138,28 @@ def test_fused_sampler_matches_the_torch_path(vocab: int, monkeypatch: pytest.Mo
     monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)
     assert (strided != sampling.sample_noisy(logits[:, :2048], do_sample, temperature, top_k, top_p,
                                              noise[:, :2048])).sum() <= b // 64
+
+
+@pytest.mark.parametrize("vocab", [2048, 3072])
+def test_fused_sampler_edge_rows_and_graph_replay(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ties across the k-th place and at the top-p cut, all-equal, -inf and +-0.0 rows, top-k of 1 and past the
+    vocabulary, temperatures, greedy rows: exactly the torch path's token, eager and replayed from a CUDA
+    graph captured on other rows (the sampler syncs nothing with the host)."""
+    from omniloop.gpu.kernels.sampler import sample_rows
+    from omniloop.models.qwen3_tts import sampling
+
+    rows = {name: t.cuda() for name, t in edge_rows(vocab, repeats=8).items()}
+    monkeypatch.setattr(sampling, "FUSED_SAMPLER", False)
+    want = sampling.sample_noisy(**rows)
+    assert torch.equal(sample_rows(**rows), want)
+    inputs = {name: torch.zeros_like(t) for name, t in rows.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample_rows(**inputs)
+    for name, t in rows.items():
+        inputs[name].copy_(t)
+    graph.replay()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
