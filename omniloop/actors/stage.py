@@ -36,8 +36,9 @@ from omniloop.errors import FrameError
 from omniloop.log import get_logger
 from omniloop.models.registry import build_worker
 from omniloop.scheduler.interface import Emit
+from omniloop.transport import batching
 from omniloop.transport.channel import Delivery, Inbox, Outbox
-from omniloop.transport.messages import Abort, Chunk, Finish, Ready, Reason, Shutdown, Stats, Submit
+from omniloop.transport.messages import Abort, Chunk, Chunks, Finish, Ready, Reason, Shutdown, Stats, Submit
 
 log = get_logger(__name__)
 
@@ -168,6 +169,8 @@ class StageActor:
             self._send(self.scheduler.add(msg.req_id, msg, arrays))
         elif isinstance(msg, Chunk):
             self._send(self.scheduler.extend(msg.req_id, msg, arrays))
+        elif isinstance(msg, Chunks):
+            self._extend_many(msg, arrays)
         elif isinstance(msg, Finish):
             self._send(self.scheduler.finish_upstream(msg.req_id, msg))
         elif isinstance(msg, Abort):
@@ -180,6 +183,20 @@ class StageActor:
             self._stop(msg.reason)
         else:
             log.warning("stage_unexpected_message", stage=self.stage.name, type=type(msg).__name__)
+
+    def _extend_many(self, batch: Chunks, arrays: dict[str, Any]) -> None:
+        """An upstream step's chunks in one message: each goes to the scheduler as if it came alone. A
+        malformed batch fails every request it names (none of its chunks is delivered)."""
+        try:
+            chunks = list(batching.unpack(batch, arrays))
+        except FrameError as exc:
+            for req_id in batch.req_ids:
+                self._on_bad_frame(FrameError(str(exc), req_id))
+            return
+        emits: list[Emit] = []
+        for chunk, chunk_arrays in chunks:
+            emits += self.scheduler.extend(chunk.req_id, chunk, chunk_arrays)
+        self._send(emits)
 
     def _on_bad_frame(self, exc: FrameError) -> None:
         log.warning("stage_bad_frame", stage=self.stage.name, error=str(exc), req_id=exc.req_id)
@@ -279,7 +296,19 @@ class StageActor:
             self._fatal(exc)
 
     def _send(self, emits: list[Emit]) -> None:
+        """Emits in order; to a next stage, runs of plain chunks of one layout go as one ``Chunks`` message
+        (``transport.batching``), each run sent before whatever follows it."""
+        run: list[tuple[Any, dict[str, Any]]] = []
+        run_layout = None
         for emit in emits:
+            shape = batching.layout(emit.msg, emit.arrays) if emit.dest == "next" and self.has_next_stage else None
+            if shape is not None and shape == run_layout:
+                run.append((emit.msg, emit.arrays))
+                continue
+            self._send_run(run)
+            run, run_layout = ([(emit.msg, emit.arrays)], shape) if shape is not None else ([], None)
+            if shape is not None:
+                continue
             if emit.dest == "next":
                 self._to_next.send(emit.msg, emit.arrays)
             elif emit.dest == "frontend":
@@ -288,6 +317,13 @@ class StageActor:
                     self._to_next.send(Abort(emit.msg.req_id, emit.msg.reason))
             else:
                 raise ValueError(f"stage {self.stage.name!r}: emit to unknown destination {emit.dest!r}")
+        self._send_run(run)
+
+    def _send_run(self, run: list[tuple[Any, dict[str, Any]]]) -> None:
+        if len(run) == 1:
+            self._to_next.send(*run[0])
+        elif run:
+            self._to_next.send(*batching.pack(run))
 
     def stats(self) -> Stats:
         sched = self.scheduler
