@@ -15,7 +15,6 @@ CPU: ``step`` does the same work on the ``CpuRunner`` worker thread.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from typing import Protocol
 
@@ -29,14 +28,12 @@ from omniloop.gpu.observer import CudaObserver
 from omniloop.gpu.prefill_graphs import PrefillGraphs
 from omniloop.gpu.runner import CpuRunner, Runner
 from omniloop.gpu.talker_state import TalkerState
-from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompt
+from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompts
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 from omniloop.scheduler.plan import ArNew, ArSeq, ArStepPlan, ArStepResult
 
 
 HIGH_PRIORITY = -100  # torch maps it to the device's highest stream priority
-
-_INPUT_TENSORS = ("input_ids", "instruct_ids", "ref_ids", "ref_code", "x_vector")
 
 
 class TalkerPayload(Protocol):
@@ -83,15 +80,7 @@ class TalkerSteps:
         """Codes int64 ``[len(plan.seqs), 16]`` on the device (rows of seqs that did not sample are 0), the
         arrays to attach to some rows' chunks (``ArStepResult.extras``), and the rows whose request could
         not be admitted (``ArStepResult.errors``): a request-scoped failure must not fail the whole step."""
-        admitted: list[tuple[int, Prompt, TtsInput]] = []
-        for new in plan.new:
-            self.failed.pop(new.slot, None)
-            try:
-                admitted.append((new.slot, *self._admit(new)))
-            except Exception as exc:  # noqa: BLE001 - e.g. the voice encoder on this request's reference audio
-                self.state.prompts.pop(new.slot, None)
-                self.context.pop(new.slot, None)
-                self.failed[new.slot] = f"{type(exc).__name__}: {exc}"
+        admitted = self._admit(plan.new) if plan.new else []
         if admitted:  # every admitted slot's state in one batched reset
             self.state.reset_many([a[0] for a in admitted], [a[1].embeds.to(self.model.dtype) for a in admitted],
                                   [a[1].trailing for a in admitted], [a[2].sampling or {} for a in admitted],
@@ -123,27 +112,46 @@ class TalkerSteps:
         index[unsampled] = offset
         return torch.cat(parts)[self._h2d(index)], extras, errors
 
-    def _admit(self, new: ArNew) -> tuple[Prompt, TtsInput]:
-        """The request's prompt (built here unless the payload carries it); the slot is reset by the caller."""
-        payload: TalkerPayload = new.payload
-        inputs = payload.inputs
-        if payload.prompt is not None:
-            prompt = payload.prompt
-        else:
-            # ids and voice tensors go over through pinned memory: a pageable copy would wait for the step in
-            # flight, stalling the loop thread (build_prompt takes codec ids by host index, no copy at all)
-            on_device = {f: self._to_device(getattr(inputs, f)) for f in _INPUT_TENSORS if getattr(inputs, f) is not None}
-            prompt = build_prompt(self.model, dataclasses.replace(inputs, **on_device))
-        self.state.check_trailing(prompt.trailing)  # here: request-scoped, not a failed step
-        self.context.pop(new.slot, None)
-        if inputs.ref_code is not None:
-            self.context[new.slot] = inputs.ref_code.cpu().numpy().astype(np.int64)
-        return prompt, inputs
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda" and t.device.type == "cpu":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+    def _admit(self, news: list[ArNew]) -> list[tuple[int, Prompt, TtsInput]]:
+        """(slot, prompt, inputs) of each new request that can start; the slots are reset by the caller. The
+        prompts not carried by a payload are built in one batched call (``build_prompts``: a fixed number of
+        ops, not ~25 per request), its ids and x-vectors crossing in pinned copies. A request that fails here
+        (its voice encoder on its reference audio, its inputs, its trailing text) fails alone."""
+        inputs: list[TtsInput | None] = []
+        prompts: list[Prompt | Exception | None] = []
+        for new in news:
+            self.failed.pop(new.slot, None)
+            payload: TalkerPayload = new.payload
+            try:
+                inputs.append(payload.inputs)  # may run the voice encoder (stage_talker's lazy payload)
+                prompts.append(payload.prompt)
+            except Exception as exc:  # noqa: BLE001 - request-scoped, reported as its error row
+                inputs.append(None)
+                prompts.append(exc)
+        todo = [i for i, p in enumerate(prompts) if p is None]
+        if todo:
+            try:
+                built = build_prompts(self.model, [inputs[i] for i in todo])
+            except Exception as exc:  # noqa: BLE001 - the batched device work: as before, no whole-step failure
+                built = [exc] * len(todo)
+            for i, p in zip(todo, built):
+                prompts[i] = p
+        admitted: list[tuple[int, Prompt, TtsInput]] = []
+        for new, inp, prompt in zip(news, inputs, prompts):
+            self.context.pop(new.slot, None)
+            if not isinstance(prompt, Exception):
+                try:
+                    self.state.check_trailing(prompt.trailing)  # here: request-scoped, not a failed step
+                except ValueError as exc:
+                    prompt = exc
+            if isinstance(prompt, Exception):
+                self.state.prompts.pop(new.slot, None)
+                self.failed[new.slot] = f"{type(prompt).__name__}: {prompt}"
+                continue
+            if inp.ref_code is not None:
+                self.context[new.slot] = inp.ref_code.cpu().numpy().astype(np.int64)
+            admitted.append((new.slot, prompt, inp))
+        return admitted
 
     def _prefill(self, seqs: list[ArSeq]) -> list[int]:
         """Batched, right-padded forwards over every piece: pieces from position 0 through a captured graph

@@ -75,35 +75,45 @@ class TalkerState:
 
     def reset_many(self, slots: list[int], embeds: list[torch.Tensor], trailing: list[torch.Tensor],
                    sampling: list[dict], seeds: list[int]) -> None:
-        """Start ``slots`` over for new requests: trailing text and code-0 history per slot, then every
-        sampling parameter and frame counter of all of them in one packed host-to-device copy and one
-        scatter per field (not one fill per field per slot). No host sync: the copy is from pinned memory
-        (``t[slot] = x`` would be a pageable copy, which waits for the step in flight)."""
+        """Start ``slots`` over for new requests: trailing text, code-0 history, every sampling parameter and
+        frame counter of all of them from one packed host-to-device copy, with one scatter per field (not one
+        copy or fill per field per slot). No host sync: the copy is from pinned memory (``t[slot] = x`` would
+        be a pageable copy, which waits for the step in flight)."""
         for t in trailing:
             self.check_trailing(t)
-        for slot, t in zip(slots, trailing):
-            self.model.set_trailing(slot, t)  # also clears the code-0 history
+        cache = self.cache
         rows = [{**GREEDY, **s, "seed": seed} for s, seed in zip(sampling, seeds)]
         names = [f.name for f in fields(SamplingParams)]
         n = len(slots)
-        # one int64 block [slots | every field as int64 or float32 bits], one copy
-        host = np.empty((1 + len(names), n), dtype=np.int64)
+        lengths = np.asarray([t.shape[0] for t in trailing], dtype=np.int64)
+        # one int64 block [slots | trailing lengths | every field as int64 or float32 bits], then the row of
+        # every trailing position in the flattened trailing buffer; one copy
+        host = np.empty((2 + len(names), n), dtype=np.int64)
         host[0] = slots
+        host[1] = lengths
         for i, name in enumerate(names):
             dtype = getattr(self.params, name).dtype
             values = [r[name] for r in rows]
             if dtype.is_floating_point:
-                host[1 + i] = np.asarray(values, dtype=np.float32).view(np.int32).astype(np.int64)
+                host[2 + i] = np.asarray(values, dtype=np.float32).view(np.int32).astype(np.int64)
             else:
-                host[1 + i] = np.asarray(values, dtype=np.int64)
-        dev = torch.from_numpy(host)
+                host[2 + i] = np.asarray(values, dtype=np.int64)
+        starts = np.repeat(np.asarray(slots, dtype=np.int64) * cache.trailing.shape[1], lengths)
+        positions = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        dev = torch.from_numpy(np.concatenate((host.reshape(-1), starts + positions)))
         if self.step.device.type == "cuda":
             dev = dev.pin_memory()
         dev = dev.to(self.step.device, non_blocking=True)
-        index = dev[0]
+        block, trailing_rows = dev.split((host.size, starts.shape[0]))
+        block = block.view(host.shape)
+        index = block[0]
+        text = torch.cat(trailing).to(cache.trailing.dtype)
+        cache.trailing.view(-1, cache.trailing.shape[2]).index_copy_(0, trailing_rows, text)
+        cache.trailing_len.index_copy_(0, index, block[1])
+        cache.seen.index_fill_(0, index, False)
         for i, name in enumerate(names):
             field = getattr(self.params, name)
-            col = dev[1 + i]
+            col = block[2 + i]
             if field.dtype.is_floating_point:
                 col = col.to(torch.int32).view(torch.float32)
             field.index_copy_(0, index, col.to(field.dtype))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from omniloop.models.qwen3_tts.config import TtsConfig
-from omniloop.models.qwen3_tts.prompt import TtsInput, build_prompt
+from omniloop.models.qwen3_tts.prompt import TtsInput, build_prompts
 from omniloop.models.qwen3_tts.sampling import SamplingParams
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 from omniloop.models.qwen3_tts.tokenizer import TextTokenizer
@@ -67,7 +67,10 @@ def tts_input_from_request(cfg: TtsConfig, tokenizer: TextTokenizer, req: Speech
 @torch.no_grad()
 def generate(model: Qwen3TtsModel, requests: list[TtsInput]) -> list[GenResult]:
     device = model.device
-    prompts = [build_prompt(model, r) for r in requests]
+    prompts = build_prompts(model, requests)
+    for p in prompts:
+        if isinstance(p, Exception):
+            raise p
     lengths = [p.embeds.shape[0] for p in prompts]
     max_len = max(n + r.max_new_tokens for n, r in zip(lengths, requests))
     model.allocate(num_slots=len(requests), max_len=max_len,

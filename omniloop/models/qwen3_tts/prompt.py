@@ -2,14 +2,18 @@
 
 A prompt is ``[T(instruct)] + T(role) + (tts_pad.. tts_bos) + E_c(codec prefix)`` followed by the text
 body, whose layout depends on the task and on ``non_streaming``; what is not consumed by the prompt
-becomes the *trailing* text, added to the talker input one position per decode step. This runs once per
-request at admission (a per-request loop is fine here), on the model's device.
+becomes the *trailing* text, added to the talker input one position per decode step.
+
+``build_prompts`` builds the prompts of all requests admitted in one step together: every row is
+``T(text id) + C`` (C: nothing, a codec embedding, the x-vector or a reference frame), so the per-request
+work is laying rows out on the host, and the device work is a fixed number of batched ops.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omniloop.models.qwen3_tts.config import TtsConfig
@@ -51,10 +55,6 @@ class Prompt:
     trailing: torch.Tensor  # [n, H] text added on decode steps 0..n-1 (then tts_pad)
 
 
-def _language_id(model: Qwen3TtsModel, req: TtsInput) -> int | None:
-    return language_id(model.cfg, req)
-
-
 def language_id(cfg: TtsConfig, req: TtsInput) -> int | None:
     """The codec language id of the prompt prefix (None = "auto": the nothink prefix)."""
     tc = cfg.talker
@@ -71,73 +71,192 @@ def language_id(cfg: TtsConfig, req: TtsInput) -> int | None:
     return lang_id
 
 
-def _speaker_embed(model: Qwen3TtsModel, req: TtsInput) -> torch.Tensor | None:
+# the text source of a row: a text id >= 0, or one of the rows of ``special_embeds()`` (index -1 - code)
+_BOS, _EOS, _PAD = -1, -2, -3
+# the codec source of a row: a codec id >= 0, or none, the request's x-vector, or its next reference frame
+_NO_CODEC, _XVEC, _FRAME = -1, -2, -3
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One request's prompt on the host, one entry per row (REFERENCE.md 3.3: every row is T(text) + an
+    optional codec part). The prompt rows come first, then the trailing rows (text only)."""
+
+    text: np.ndarray  # int64 [num_prompt + num_trailing]
+    codec: np.ndarray  # int64 [num_prompt + num_trailing] (_NO_CODEC on every trailing row)
+    num_prompt: int
+    x_vector: torch.Tensor | None  # [H] (task base)
+    ref_code: torch.Tensor | None  # [R, 16] (in-context cloning)
+
+
+def _text_ids(cfg: TtsConfig, t: torch.Tensor, name: str) -> np.ndarray:
+    # tolist(), not numpy(): it dispatches no torch op, so the host side costs no aten call per request
+    ids = np.asarray(t.tolist() if t.dim() == 1 else t.reshape(-1).tolist(), dtype=np.int64)
+    vocab = cfg.talker.text_vocab_size
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):  # negative ids would read as the special rows
+        raise ValueError(f"{name} holds ids outside the text vocab [0, {vocab})")
+    return ids
+
+
+def _speaker_slot(cfg: TtsConfig, req: TtsInput) -> list[int]:
     if req.task == "base":
         if req.x_vector is None:
             raise ValueError("task 'base' needs the reference x-vector")
-        return req.x_vector.to(model.device, model.dtype).reshape(1, -1)
+        if req.x_vector.numel() != cfg.talker.decoder.hidden_size:
+            raise ValueError(f"x_vector has {req.x_vector.numel()} values; the talker hidden size is "
+                             f"{cfg.talker.decoder.hidden_size}")
+        return [_XVEC]
     if req.speaker:
-        spk = model.cfg.talker.spk_id.get(req.speaker.lower())
+        spk = cfg.talker.spk_id.get(req.speaker.lower())
         if spk is None:
-            raise ValueError(f"unknown speaker {req.speaker!r}; valid: {list(model.cfg.speakers)}")
-        return model.codec_rows([spk])
-    return None
+            raise ValueError(f"unknown speaker {req.speaker!r}; valid: {list(cfg.speakers)}")
+        return [spk]
+    return []
 
 
-def _icl_body(model: Qwen3TtsModel, req: TtsInput, text_ids: torch.Tensor, eos: torch.Tensor,
-              pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    tc = model.cfg.talker
-    if req.ref_ids is None:
-        raise ValueError("in-context cloning needs ref_ids (the reference transcript)")
-    text = torch.cat((model.text_embed(torch.cat((req.ref_ids[3:-2], text_ids))), eos[None]), 0)
-    ref_code = req.ref_code.to(model.device)
-    codec = torch.cat((model.codec_rows([tc.codec_bos_id]), model.frame_embed(ref_code)), 0)
-    if not req.streaming_text:
-        text_part = text + model.codec_rows([tc.codec_pad_id])
-        return torch.cat((text_part, codec + pad), 0), pad[None]
-    if text.shape[0] > codec.shape[0]:
-        return text[: codec.shape[0]] + codec, text[codec.shape[0]:]
-    padded = torch.cat((text, pad.expand(codec.shape[0] - text.shape[0], -1)), 0)
-    return padded + codec, pad[None]
+def _layout(cfg: TtsConfig, req: TtsInput) -> _Rows:
+    """Where each row of ``req``'s prompt and trailing text comes from; raises the request's own errors."""
+    tc = cfg.talker
+    ids = _text_ids(cfg, req.input_ids, "input_ids")
+    if ids.shape[0] < 9:
+        raise ValueError(f"input_ids has {ids.shape[0]} tokens; the assistant template alone has 8")
+    lang_id = language_id(cfg, req)
+    prefix = ([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id] if lang_id is None
+              else [tc.codec_think_id, tc.codec_think_bos_id, lang_id, tc.codec_think_eos_id])
+    codec = np.asarray(prefix + _speaker_slot(cfg, req) + [tc.codec_pad_id, tc.codec_bos_id], dtype=np.int64)
+    n_codec = codec.shape[0]
+    instruct = np.zeros(0, dtype=np.int64)
+    if req.instruct_ids is not None and req.instruct_ids.numel() > 0:
+        instruct = _text_ids(cfg, req.instruct_ids, "instruct_ids")
+    # [T(instruct)] + T(role), then the prefix: tts_pad under every codec entry but the last two, tts_bos under
+    # the second-to-last; the last codec entry (codec_bos) moves into the body
+    text = [instruct, ids[:3], [_PAD] * (n_codec - 2), [_BOS]]
+    codecs = [np.full(instruct.shape[0] + 3, _NO_CODEC), codec[:-1]]
+    body = ids[3:-5]
+    bos_c, pad_c = tc.codec_bos_id, tc.codec_pad_id
+    if req.is_icl:
+        if req.ref_ids is None:
+            raise ValueError("in-context cloning needs ref_ids (the reference transcript)")
+        if req.ref_code.dim() != 2 or req.ref_code.shape[1] != tc.num_code_groups:
+            raise ValueError(f"ref_code has shape {tuple(req.ref_code.shape)}; expected [frames, {tc.num_code_groups}]")
+        ref_text = np.concatenate((_text_ids(cfg, req.ref_ids, "ref_ids")[3:-2], body, [_EOS]))
+        ref_codec = np.asarray([bos_c] + [_FRAME] * req.ref_code.shape[0], dtype=np.int64)
+        n_text, n_ref = ref_text.shape[0], ref_codec.shape[0]
+        if not req.streaming_text:  # text + E_c(pad), then the codes + tts_pad
+            text += [ref_text, [_PAD] * n_ref]
+            codecs += [np.full(n_text, pad_c), ref_codec]
+            trailing = [_PAD]
+        elif n_text > n_ref:  # summed while both exist; the extra text trails
+            text.append(ref_text[:n_ref])
+            codecs.append(ref_codec)
+            trailing = ref_text[n_ref:]
+        else:
+            text += [ref_text, [_PAD] * (n_ref - n_text)]
+            codecs.append(ref_codec)
+            trailing = [_PAD]
+    elif req.streaming_text:
+        text.append(ids[3:4])
+        codecs.append([bos_c])
+        trailing = np.concatenate((ids[4:-5], [_EOS]))
+    else:
+        text += [body, [_EOS, _PAD]]
+        codecs += [np.full(body.shape[0] + 1, pad_c), [bos_c]]
+        trailing = [_PAD]
+    num_prompt = sum(len(c) for c in codecs)
+    text_col = np.concatenate(text + [trailing]).astype(np.int64)
+    codec_col = np.concatenate(codecs + [np.full(text_col.shape[0] - num_prompt, _NO_CODEC)]).astype(np.int64)
+    x_vector = None
+    if req.task == "base":
+        x_vector = req.x_vector if req.x_vector.dim() == 1 else req.x_vector.reshape(-1)
+    return _Rows(text=text_col, codec=codec_col, num_prompt=num_prompt, x_vector=x_vector,
+                 ref_code=req.ref_code if req.is_icl else None)
+
+
+def _check_ref_codes(cfg: TtsConfig, rows: dict[int, _Rows], out: list) -> np.ndarray:
+    """All reference codes, in request order, as one host array; a request with a code outside the embedding
+    tables fails alone (inside the batched gather it would fail every request, on CUDA the whole context)."""
+    icl = [i for i, r in rows.items() if r.ref_code is not None]
+    if not icl:
+        return np.zeros((0, cfg.talker.num_code_groups), dtype=np.int64)
+    codes = np.asarray(torch.cat([rows[i].ref_code for i in icl]).cpu().numpy(), dtype=np.int64)
+    limit = np.full(codes.shape[1], cfg.talker.code_predictor.vocab_size)
+    limit[0] = cfg.talker.decoder.vocab_size
+    bad = ((codes < 0) | (codes >= limit)).any(1)
+    keep = np.ones(codes.shape[0], dtype=bool)
+    start = 0
+    for i in icl:
+        end = start + rows[i].ref_code.shape[0]
+        if bad[start:end].any():
+            out[i] = ValueError(f"ref_code holds codes outside the codebooks ([0, {limit[0]}) for codebook 0, "
+                                f"[0, {limit[1]}) for the others)")
+            keep[start:end] = False
+            del rows[i]
+        start = end
+    return codes[keep]
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # through pinned memory: a pageable host-to-device copy would wait for the step in flight on the stream
+    # (the caching host allocator keeps the pinned block until the copy has run)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 @torch.no_grad()
+def build_prompts(model: Qwen3TtsModel, reqs: list[TtsInput]) -> list[Prompt | Exception]:
+    """The prompts of ``reqs``, in a number of torch ops that does not grow with ``len(reqs)``: the rows are
+    laid out on the host, their indices cross in one int64 copy (x-vectors in one float copy), then one
+    ``text_embed`` over the distinct text ids, one codec gather, one ``frame_embed`` over every reference
+    code, one scatter per codec source and one add. A request-scoped error takes that request's place.
+
+    Tensors of ``reqs`` are read on the host (a device tensor would be synchronized on)."""
+    out: list[Prompt | Exception | None] = [None] * len(reqs)
+    rows: dict[int, _Rows] = {}
+    for i, req in enumerate(reqs):  # host only: no torch op per request
+        try:
+            rows[i] = _layout(model.cfg, req)
+        except Exception as exc:  # noqa: BLE001 - this request's inputs; the others still get their prompts
+            out[i] = exc
+    codes = _check_ref_codes(model.cfg, rows, out)
+    if not rows:
+        return out
+    good = list(rows)
+    text = np.concatenate([rows[i].text for i in good])
+    codec = np.concatenate([rows[i].codec for i in good])
+    is_id = text >= 0
+    distinct, inverse = np.unique(text[is_id], return_inverse=True)
+    index = -1 - text  # rows 0..2 of the text table: special_embeds() (bos, eos, pad), reused bit-exact
+    index[is_id] = 3 + inverse
+    codec_rows = np.flatnonzero(codec >= 0)
+    xvec_rows, frame_rows = np.flatnonzero(codec == _XVEC), np.flatnonzero(codec == _FRAME)
+    host = (distinct, index, codec_rows, codec[codec_rows], xvec_rows, frame_rows, codes.reshape(-1))
+    device, dtype = model.device, model.dtype
+    dev = _to_device(torch.from_numpy(np.concatenate(host)), device).split([a.shape[0] for a in host])
+    distinct_d, index_d, codec_rows_d, codec_ids_d, xvec_rows_d, frame_rows_d, codes_d = dev
+    table = torch.cat((model.special_embeds(), model.text_embed(distinct_d)))
+    codec_part = torch.zeros(text.shape[0], table.shape[1], dtype=dtype, device=device)
+    codec_part.index_copy_(0, codec_rows_d, model.codec_embed(codec_ids_d))
+    if xvec_rows.size:
+        x_vectors = torch.stack([rows[i].x_vector for i in good if rows[i].x_vector is not None])
+        codec_part.index_copy_(0, xvec_rows_d, _to_device(x_vectors, device).to(dtype))
+    if frame_rows.size:
+        codec_part.index_copy_(0, frame_rows_d, model.frame_embed(codes_d.view(-1, codes.shape[1])))
+    # T + C; rows without a codec part add zeros, which leaves T unchanged
+    embeds = table.index_select(0, index_d) + codec_part
+    sizes = [n for i in good for n in (rows[i].num_prompt, rows[i].text.shape[0] - rows[i].num_prompt)]
+    parts = embeds.split(sizes)
+    for k, i in enumerate(good):
+        out[i] = Prompt(embeds=parts[2 * k], trailing=parts[2 * k + 1])
+    return out
+
+
 def build_prompt(model: Qwen3TtsModel, req: TtsInput) -> Prompt:
-    tc = model.cfg.talker
-    bos, eos, pad = model.special_embeds()
-    ids = req.input_ids.to(torch.int64).reshape(-1)
-    if ids.shape[0] < 9:
-        raise ValueError(f"input_ids has {ids.shape[0]} tokens; the assistant template alone has 8")
-    lang_id = _language_id(model, req)
-    prefix = ([tc.codec_nothink_id, tc.codec_think_bos_id, tc.codec_think_eos_id] if lang_id is None
-              else [tc.codec_think_id, tc.codec_think_bos_id, lang_id, tc.codec_think_eos_id])
-    codec = [model.codec_rows(prefix)]
-    speaker = _speaker_embed(model, req)
-    if speaker is not None:
-        codec.append(speaker)
-    codec.append(model.codec_rows([tc.codec_pad_id, tc.codec_bos_id]))
-    codec_t = torch.cat(codec, 0)
-    n_codec = codec_t.shape[0]
-    # text side of the prefix: tts_pad under every codec entry but the last two, tts_bos under the
-    # second-to-last; the last codec entry (codec_bos) moves into the body
-    head = torch.cat((pad.expand(n_codec - 2, -1), bos[None]), 0) + codec_t[:-1]
-    parts = []
-    if req.instruct_ids is not None and req.instruct_ids.numel() > 0:
-        parts.append(model.text_embed(req.instruct_ids.reshape(-1)))
-    parts += [model.text_embed(ids[:3]), head]
-    text_ids = ids[3:-5]
-    if req.is_icl:
-        body, trailing = _icl_body(model, req, text_ids, eos, pad)
-        parts.append(body)
-    elif req.streaming_text:
-        parts.append(model.text_embed(ids[3:4]) + codec_t[-1:])
-        trailing = torch.cat((model.text_embed(ids[4:-5]), eos[None]), 0)
-    else:
-        text = torch.cat((model.text_embed(text_ids), eos[None]), 0)
-        parts.append(text + model.codec_rows([tc.codec_pad_id]))
-        parts.append(pad[None] + codec_t[-1:])
-        trailing = pad[None]
-    return Prompt(embeds=torch.cat(parts, 0), trailing=trailing)
+    """``build_prompts`` of one request; raises its error."""
+    (prompt,) = build_prompts(model, [req])
+    if isinstance(prompt, Exception):
+        raise prompt
+    return prompt
 
 
 def prompt_length(cfg: TtsConfig, req: TtsInput, num_ref_frames: int = 0) -> int:

@@ -6,7 +6,7 @@ tensor of cache slots, one per request):
 * ``allocate(num_slots, max_len)`` — KV cache ``[layers, slots, kv_heads, max_len + 1, head_dim]`` plus
   per-slot trailing-text buffers and code-0 history.
 * ``prefill(slots, embeds, starts=None) -> hidden [B, H]`` — variable-length prompts (``[L_i, H]`` each,
-  from ``prompt.build_prompt``) right-padded into one forward; returns each prompt's last normed hidden.
+  from ``prompt.build_prompts``) right-padded into one forward; returns each prompt's last normed hidden.
   ``starts`` continues a chunked prefill at those positions.
 * ``set_trailing(slot, trailing)`` — the text embeddings to add on later decode steps (admission time).
 * ``sample_frame(slots, hidden, params, step) -> codes [B, 16]`` — codebook 0 from ``codec_head`` with
@@ -96,13 +96,6 @@ class Qwen3TtsModel(nn.Module):
 
     def codec_embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.talker.codec_embedding(ids.to(self.device))
-
-    def codec_rows(self, ids: list[int]) -> torch.Tensor:
-        """``E_c`` of ids known on the host, ``[len(ids), H]``: rows of the table taken by Python index (views),
-        so no index tensor is copied to the device. A pageable host-to-device copy would wait for the step
-        in flight on the stream; prompts are built while one is."""
-        weight = self.talker.codec_embedding.weight
-        return torch.stack([weight[i] for i in ids])
 
     def special_embeds(self) -> torch.Tensor:
         """``[3, H]``: T(tts_bos), T(tts_eos), T(tts_pad); recomputed only when those weights change."""
