@@ -34,11 +34,13 @@ class StageStartupError(StageError):
 
 class FrameError(OmniloopError, ValueError):
     """A malformed or truncated multipart message. ``req_id`` is set when the header was readable far
-    enough to tell which request it belonged to, so that request (and only it) can be failed."""
+    enough to tell which request it belonged to, so that request (and only it) can be failed; ``req_ids``
+    names every request the message carried (one, or each of a ``Chunks`` batch's)."""
 
-    def __init__(self, message: str, req_id: str | None = None) -> None:
+    def __init__(self, message: str, req_id: str | None = None, req_ids: list[str] | tuple[str, ...] = ()) -> None:
         super().__init__(message if req_id is None else f"{message} (req_id={req_id!r})")
         self.req_id = req_id
+        self.req_ids = tuple(req_ids) if req_ids else (() if req_id is None else (req_id,))
 
 
 class ObserverClosed(OmniloopError):

@@ -3,6 +3,7 @@ on arrival, in order, with every malformed batch failing the requests it names."
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -122,3 +123,21 @@ def test_receiving_stage_extends_each_request_and_fails_all_of_a_bad_batch():
     assert stage.scheduler.aborted == ["x", "y"] and len(stage.scheduler.extended) == 3
     failed = [(m.req_id, m.reason) for m, _ in stage._to_frontend.sent]
     assert failed == [("x", "error"), ("y", "error")]
+
+
+def test_a_damaged_batch_frame_fails_every_request_it_names():
+    """Damage on the wire (a truncated buffer, a header that does not validate): no chunk of a batch may vanish
+    silently, each named request ends with an error."""
+    batch, arrays = batching.pack([(Chunk(f"r{i}", 0, stage="talker"), codes(i)) for i in range(3)])
+    frames = encode(batch, arrays)
+    with pytest.raises(FrameError) as info:
+        decode([*frames[:2], bytes(frames[2])[:-8]])  # the codes buffer cut short
+    assert info.value.req_ids == ("r0", "r1", "r2")
+    stage = bare_stage()
+    stage._on_bad_frame(info.value)  # what StageActor._on_inbox does with an inbox FrameError
+    assert stage.scheduler.aborted == ["r0", "r1", "r2"]
+    assert [(m.req_id, m.reason) for m, _ in stage._to_frontend.sent] == [(f"r{i}", "error") for i in range(3)]
+    header = msgspec.msgpack.encode({"type": "chunks", "req_ids": ["r0", "r1"], "seqs": [0, 0], "rows": "two"})
+    with pytest.raises(FrameError) as info:
+        decode([frames[0], header, frames[2]])
+    assert info.value.req_ids == ("r0", "r1")

@@ -100,7 +100,9 @@ class Engine:
             raise
         # Everything built so far (torch, the models, captured graphs) lives as long as the engine: keep it out
         # of the cyclic collector, whose full pass over it held the GIL ~60-100 ms, stalling every stage thread
-        # at once (a stream's whole buffer at first audio). Back to collectable at shutdown.
+        # at once (a stream's whole buffer at first audio). Back to collectable at shutdown. Garbage first: what is
+        # frozen is never collected.
+        gc.collect()
         gc.freeze()
         self._is_ready = True
         log.info("engine_ready", profile=self.profile.name, stages=self.profile.stage_names)

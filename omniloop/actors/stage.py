@@ -87,6 +87,7 @@ class StageActor:
                 self._to_frontend.send(Ready(self.stage.name, os.getpid(), ok=False, error=self.start_error))
                 return EXIT_START_FAILED
             if freeze_heap:
+                gc.collect()
                 gc.freeze()
             self._to_frontend.send(Ready(self.stage.name, os.getpid(), info={"model": self.stage.model}))
             log_.info("stage_ready", model=self.stage.model, placement=self.stage.placement)
@@ -190,8 +191,7 @@ class StageActor:
         try:
             chunks = list(batching.unpack(batch, arrays))
         except FrameError as exc:
-            for req_id in batch.req_ids:
-                self._on_bad_frame(FrameError(str(exc), req_id))
+            self._on_bad_frame(FrameError(str(exc), req_ids=batch.req_ids))
             return
         emits: list[Emit] = []
         for chunk, chunk_arrays in chunks:
@@ -199,11 +199,11 @@ class StageActor:
         self._send(emits)
 
     def _on_bad_frame(self, exc: FrameError) -> None:
-        log.warning("stage_bad_frame", stage=self.stage.name, error=str(exc), req_id=exc.req_id)
-        if exc.req_id is None:
-            return
-        self.scheduler.abort(exc.req_id)
-        self._send([Emit("frontend", Finish(exc.req_id, Reason.ERROR.value, error=str(exc), stage=self.stage.name))])
+        log.warning("stage_bad_frame", stage=self.stage.name, error=str(exc), req_ids=exc.req_ids)
+        for req_id in exc.req_ids:  # none: nobody to tell (the frame named no request)
+            self.scheduler.abort(req_id)
+        self._send([Emit("frontend", Finish(req_id, Reason.ERROR.value, error=str(exc), stage=self.stage.name))
+                    for req_id in exc.req_ids])
 
     # ---- wake-up 2: a step completed
     def _on_step_done(self, plan: Any, started: float, lane: int, host_ms: tuple[float, float],

@@ -92,8 +92,18 @@ def decode(frames: Sequence[Any]) -> tuple[Message, dict[str, np.ndarray]]:
     try:
         msg = _decoder.decode(header)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise FrameError(f"bad {kind.name} header: {exc}", _req_id_of(header)) from None
-    req_id = getattr(msg, "req_id", None)
+        raise FrameError(f"bad {kind.name} header: {exc}", *_req_ids_of(header)) from None
+    req_ids = getattr(msg, "req_ids", None)
+    if req_ids is not None:  # a batch: a damaged frame fails every request it carries
+        try:
+            return _decode_checked(kind, msg, frames, None)
+        except FrameError as exc:
+            raise FrameError(str(exc), req_ids=req_ids) from None
+    return _decode_checked(kind, msg, frames, getattr(msg, "req_id", None))
+
+
+def _decode_checked(kind: Kind, msg: Message, frames: Sequence[Any], req_id: str | None,
+                    ) -> tuple[Message, dict[str, np.ndarray]]:
     if KIND_OF[type(msg)] != kind:
         raise FrameError(f"kind byte says {kind.name} but header is {type(msg).__name__}", req_id)
     metas: dict[str, TensorMeta] = getattr(msg, "arrays", None) or {}
@@ -150,11 +160,14 @@ def _as_bytes(frame: Any) -> bytes:
     return data if data is not None else bytes(frame)
 
 
-def _req_id_of(header: memoryview) -> str | None:
-    """Best effort: the request id from a header that failed typed decoding."""
+def _req_ids_of(header: memoryview) -> tuple[str | None, list[str]]:
+    """Best effort: the request id (or a batch's ids) from a header that failed typed decoding."""
     try:
         raw = _raw_decoder.decode(header)
     except msgspec.DecodeError:
-        return None
-    req_id = raw.get("req_id") if isinstance(raw, dict) else None
-    return req_id if isinstance(req_id, str) else None
+        return None, []
+    if not isinstance(raw, dict):
+        return None, []
+    req_id, req_ids = raw.get("req_id"), raw.get("req_ids")
+    ids = [r for r in req_ids if isinstance(r, str)] if isinstance(req_ids, list) else []
+    return (req_id if isinstance(req_id, str) else None), ids
