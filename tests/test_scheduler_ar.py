@@ -280,3 +280,35 @@ def test_a_prompt_that_fits_a_step_whole_is_not_split():
     assert [(s.req_id, s.start, s.num_tokens) for s in plan.seqs] == [("a", 6, 1), ("b", 0, 6), ("c", 3, 1)]
     plan = sched.schedule()  # "long" never fits whole: it starts when it gets a step's room (10 - 3 decodes)
     assert ("long", 0, 7) in [(s.req_id, s.start, s.num_tokens) for s in plan.seqs]
+
+
+def test_grown_prompts_holding_every_block_preempt_the_least_urgent_and_resend_its_inputs():
+    """Two streaming prompts grow until neither fits beside the other and nothing runs: the later one is sent
+    back to waiting (its blocks and seat freed), the earlier goes on, and the victim is prefilled again from
+    position 0 with every input it had been given, in order, once the earlier one is done."""
+    sched = make(max_num_tokens=32, num_kv_blocks=6, block_size=4, max_num_seqs=2)
+    for name, at in (("a", 0.0), ("b", 0.1)):
+        sched.add(name, ArPrompt(num_prompt_tokens=4, max_frames=2, arrival=at, is_input_complete=False))
+    plan = sched.schedule()  # both seated: 3 of 4 known tokens each (the last is held back), 2 blocks each
+    assert [(s.req_id, s.start, s.num_tokens) for s in plan.seqs] == [("a", 0, 3), ("b", 0, 3)]
+    sched.update(plan, result(plan))
+    b_inputs = [np.full((12, 1), 1.0)]
+    sched.extend("a", Chunk("a", 0), {"x": np.full((12, 1), 0.0)})
+    sched.extend("b", Chunk("b", 0), {"x": b_inputs[0]})
+    # each now needs 5 blocks (16 prompt positions + 1 frame), 2 are free: neither can go on
+    plan = sched.schedule()
+    assert [(s.req_id, s.start, s.num_tokens) for s in plan.seqs] == [("a", 3, 12)]
+    assert sched.state_of("b") is ArState.WAITING and sched.num_free_blocks == 1
+    sched.update(plan, result(plan))
+    sched.extend("a", Chunk("a", 1, final=True), {"x": np.full((1, 1), 0.0)})
+    b_inputs.append(np.full((2, 1), 2.0))
+    sched.extend("b", Chunk("b", 1), {"x": b_inputs[1]})  # b grows while it waits: kept for its re-admission
+    while sched.state_of("a") is not None:  # a finishes its prompt and its 2 frames
+        plan = sched.schedule()
+        assert "b" not in [s.req_id for s in plan.seqs]
+        sched.update(plan, result(plan))
+    plan = sched.schedule()  # b again, from position 0, with both inputs sent again in order
+    assert [(s.req_id, s.start, s.num_tokens) for s in plan.seqs] == [("b", 0, 17)]
+    assert [n.req_id for n in plan.new] == ["b"]
+    sent = [x for _, arrays in plan.inputs for x in arrays.values()]
+    assert len(sent) == 2 and all(x is y for x, y in zip(sent, b_inputs))

@@ -230,3 +230,59 @@ def test_codec_random_interleavings(ops, budget, max_num_seqs):
             assert ends[r] == ["stop"] and finals[r] == 1
             assert len(got) == num_sent[r]  # everything sent was decoded once
     assert sched.num_requests == 0 and sched.num_in_flight == 0 and sched.num_free_slots == max_num_seqs
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_num_tokens=st.integers(1, 24), max_num_seqs=st.integers(1, 6))
+def test_talker_streaming_prompts_always_finish(seed, max_num_tokens, max_num_seqs):
+    """Prompts that grow after admission (streamed input) on a small block pool: once every input is complete
+    and the steps drain, every request has ended (no deadlock of grown prompts holding all blocks)."""
+    rng = np.random.default_rng(seed)
+    clock = Clock()
+    sched = ArScheduler(ArConfig(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, num_kv_blocks=16,
+                                 block_size=4), clock=clock)
+    ended: set[str] = set()
+    open_inputs: dict[str, int] = {}  # streaming request -> chunks still to come
+    in_flight: deque = deque()
+    names: list[str] = []
+
+    def collect(emits) -> None:
+        ended.update(e.msg.req_id for e in emits if is_terminal(e))
+
+    def step() -> None:
+        plan = in_flight.popleft()
+        codes = np.zeros((len(plan.seqs), 16), dtype=np.int64)
+        collect(sched.update(plan, ArStepResult(codes=codes, is_stop=[False] * len(plan.seqs))))
+
+    for _ in range(150):
+        clock.now += 0.01
+        r = rng.random()
+        if r < 0.1 and len(names) < 20:
+            name = f"r{len(names)}"
+            names.append(name)
+            streaming = rng.random() < 0.5
+            collect(sched.add(name, ArPrompt(num_prompt_tokens=int(rng.integers(1, 20)), max_frames=int(rng.integers(1, 6)),
+                                             arrival=clock.now, is_input_complete=not streaming)))
+            if streaming:
+                open_inputs[name] = int(rng.integers(1, 4))
+        elif r < 0.25 and open_inputs:
+            name = list(open_inputs)[int(rng.integers(len(open_inputs)))]
+            open_inputs[name] -= 1
+            final = open_inputs[name] == 0
+            collect(sched.extend(name, Chunk(name, 0, final=final), {"x": np.zeros((int(rng.integers(0, 12)), 1))}))
+            if final:
+                del open_inputs[name]
+        elif len(in_flight) < MAX_IN_FLIGHT and (plan := sched.schedule()) is not None:
+            assert plan.num_tokens <= max_num_tokens
+            in_flight.append(plan)
+        elif in_flight:
+            step()
+    for name in list(open_inputs):
+        collect(sched.extend(name, Chunk(name, 0, final=True), {"x": np.zeros((1, 1))}))
+    for _ in range(10_000):
+        while len(in_flight) < MAX_IN_FLIGHT and (plan := sched.schedule()) is not None:
+            in_flight.append(plan)
+        if not in_flight:
+            break
+        step()
+    assert set(names) <= ended and sched.num_requests == 0 and sched.num_free_blocks == 16

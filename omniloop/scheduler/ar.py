@@ -6,11 +6,16 @@ its previous step is still on the GPU, which feeds the sampled frame from device
 therefore learned one step late; the request finishes in that ``update`` and every later in-flight
 step's output for it is dropped (fenced: nothing after a stop is ever emitted).
 
-No preemption: admission grows the request's block table to its worst case (prompt + max_frames),
-so a decode never runs out of blocks. A TTS request's worst case is known up front and bounded by
-the codec frame limit, so this costs capacity but never a recompute. A prompt that grows (``extend``)
-is covered again before its next piece is scheduled; if blocks are short it simply waits for
-finishing requests to return theirs.
+Admission grows the request's block table to its worst case (prompt + max_frames), so a decode never
+runs out of blocks. A TTS request's worst case is known up front and bounded by the codec frame limit,
+so this costs capacity but never a recompute. A prompt that grows (``extend``) is covered again before
+its next piece is scheduled; if blocks are short it waits for finishing requests to return theirs.
+No new request is seated while a seated one's grown prompt waits for blocks. Growing prompts can
+still hold every block between them with none able to go on (nothing decoding, nothing in flight):
+then the seated request that has not sampled yet and comes last in deadline order is preempted — its
+seat and blocks freed, back to waiting, prefilled again from position 0 with its inputs sent again —
+until a plan can be made. The most urgent seated request is never the victim while another exists, so
+it finishes; the victim loses no output (it has emitted nothing).
 """
 
 from __future__ import annotations
@@ -134,7 +139,20 @@ class ArScheduler:
         now = self._clock()
         plan = ArStepPlan(step_id=self._next_step_id, seqs=[])
         reqs: list[ArRequest] = []
+        is_growth_blocked = self._fill(plan, reqs, now)
+        # deadlock: grown prompts hold the blocks, and no step in flight will return any
+        while not plan.seqs and is_growth_blocked and not self._in_flight and self._preempt(now):
+            is_growth_blocked = self._fill(plan, reqs, now)
+        if not plan.seqs:
+            return None
+        self._next_step_id += 1
+        self._in_flight[plan.step_id] = reqs
+        return plan
+
+    def _fill(self, plan: ArStepPlan, reqs: list[ArRequest], now: float) -> bool:
+        """Put this step's pieces into ``plan``; True if a seated request's grown prompt found no blocks."""
         budget = self.config.max_num_tokens
+        is_growth_blocked = False
         # Seated and waiting requests compete by deadline alike (a waiting one is dry since arrival),
         # except that prefill never takes the positions of the seated streams' decodes while the budget
         # holds them all: a decode costs one position, a prompt hundreds, and deferring the decodes
@@ -165,20 +183,40 @@ class ArScheduler:
                     req.state = ArState.PARKED
                 continue  # a waiting request with nothing to feed would only sit on a seat
             if req.state is ArState.WAITING:
-                if is_admission_blocked or self._slots.num_free == 0:
+                # a seated request's grown prompt waiting for blocks goes first: admitting past it would
+                # take the blocks it waits for
+                if is_admission_blocked or is_growth_blocked or self._slots.num_free == 0:
                     continue
                 if not self._blocks.grow(req.block_table, req.num_tokens_max):
                     is_admission_blocked = True
                     continue
                 self._seat(plan, req)
             elif not self._blocks.grow(req.block_table, req.num_tokens_max):
+                is_growth_blocked = True
                 continue  # a grown prompt waits for blocks that finishing requests return
             budget -= self._push(plan, reqs, req, num_tokens, is_sample)
-        if not plan.seqs:
-            return None
-        self._next_step_id += 1
-        self._in_flight[plan.step_id] = reqs
-        return plan
+        return is_growth_blocked
+
+    def _preempt(self, now: float) -> bool:
+        """Send the seated request that has not sampled and comes last in deadline order back to waiting (see
+        the module doc); False if there is none. Only with nothing in flight: no step still reads its slot or
+        blocks. It is admitted again only when no seated prompt waits for blocks."""
+        candidates = [req for req in self._seated.values() if req.num_scheduled_frames == 0]
+        if not candidates:
+            return False
+        victim = by_deadline(candidates, now)[-1]
+        self._blocks.free(victim.block_table)
+        victim.block_table = []
+        victim.num_blocks_sent = 0
+        self._slots.release(victim.slot)
+        victim.slot = -1
+        victim.num_computed = 0
+        victim.pending_inputs[:0] = victim.sent_inputs
+        victim.sent_inputs = []
+        victim.state = ArState.WAITING
+        del self._seated[victim.req_id]
+        self._waiting[victim.req_id] = victim
+        return True
 
     def update(self, plan: ArStepPlan, result: ArStepResult) -> list[Emit]:
         emits: list[Emit] = []
@@ -275,6 +313,10 @@ class ArScheduler:
             req.num_blocks_sent = len(req.block_table)
         plan.seqs.append(ArSeq(req.req_id, req.slot, req.num_computed, num_tokens, is_sample, is_decode, block_ids))
         plan.inputs.extend((req.slot, arrays) for arrays in req.pending_inputs)
+        if is_sample:  # the prompt is all fed: it can no longer be preempted, its inputs are not needed again
+            req.sent_inputs.clear()
+        else:
+            req.sent_inputs.extend(req.pending_inputs)
         req.pending_inputs.clear()
         reqs.append(req)
         req.num_computed += num_tokens

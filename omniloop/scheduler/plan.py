@@ -45,6 +45,10 @@ class ArNew:
 
 @dataclass(slots=True)
 class ArStepPlan:
+    """One talker step. ``new``: requests seated in this step (their slot starts over). A request preempted
+    while prefilling (``ArScheduler``: grown prompts holding every block) is seated again later as a new one,
+    from position 0, and every input it had been given comes again in ``inputs``."""
+
     step_id: int
     seqs: list[ArSeq]
     new: list[ArNew] = field(default_factory=list)

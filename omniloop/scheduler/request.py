@@ -58,6 +58,9 @@ class ArRequest:
     num_frames: int = 0  # frames learned from results and emitted
     num_chunks: int = 0  # seq of the next Chunk this request emits
     pending_inputs: list[dict[str, Any]] = field(default_factory=list)
+    # inputs already handed to the runner while the prompt is not yet all fed: sent again if the request is
+    # preempted and prefilled from the start (see ``ArScheduler._preempt``)
+    sent_inputs: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def num_tokens_max(self) -> int:
