@@ -112,22 +112,44 @@ async def _level(engine, concurrency: int, num_requests: int, num_words: int, ma
 
 
 async def run_bench(profile: Profile, levels: list[int], num_requests: int | None, num_words: int,
-                    max_frames: int) -> dict:
+                    max_frames: int, repeat: int = 1) -> dict:
+    """Each level ``repeat`` times on one engine (a level's run is a few seconds: single runs of one tree have
+    differed by ~10 % in throughput and by tens of points in the underrun fraction)."""
     from omniloop.actors.engine import Engine
 
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
     engine = await Engine.start(profile)
     try:
         speaker = engine.info.speakers[0] if engine.info.speakers else None
         await _level(engine, 1, 2, num_words, max_frames, speaker)  # warm-up: first-use allocations, caches
-        out = []
+        out, spread = [], []
         for c in levels:
-            result = await _level(engine, c, num_requests or 2 * c, num_words, max_frames, speaker)
-            out.append(asdict(result))
-            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+            runs = []
+            for k in range(repeat):
+                result = await _level(engine, c, num_requests or 2 * c, num_words, max_frames, speaker)
+                runs.append({**asdict(result), "run": k})
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+            out += runs
+            if repeat > 1:
+                spread.append(summarize_runs(runs))
         stats = await engine.refresh_stats()
     finally:
         await engine.shutdown(timeout_s=10)
-    return {"levels": out, "stage_stats": {k: _plain(v) for k, v in stats.items()}}
+    result = {"levels": out, "stage_stats": {k: _plain(v) for k, v in stats.items()}}
+    if spread:
+        result["summary"] = spread
+    return result
+
+
+def summarize_runs(runs: list[dict]) -> dict:
+    """Median, min and max of every metric over the runs of one level."""
+    metrics = [k for k, v in runs[0].items() if isinstance(v, float)]
+    out: dict = {"concurrency": runs[0]["concurrency"], "runs": len(runs)}
+    for key in metrics:
+        values = np.array([r[key] for r in runs])
+        out[key] = {"median": float(np.median(values)), "min": float(values.min()), "max": float(values.max())}
+    return out
 
 
 def _plain(value: object) -> object:
@@ -167,7 +189,8 @@ def main(args: argparse.Namespace) -> int:
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     import uvloop
 
-    result = uvloop.run(run_bench(profile, levels, args.num_requests, args.text_words, args.max_frames or 100))
+    result = uvloop.run(run_bench(profile, levels, args.num_requests, args.text_words, args.max_frames or 100,
+                                  repeat=args.repeat))
     result["provenance"] = _provenance(args)
     text = json.dumps(result, indent=2)
     if args.out:

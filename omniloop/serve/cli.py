@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=None, help="per concurrency level (default 2x concurrency)")
     p.add_argument("--text-words", type=int, default=40)
     p.add_argument("--max-frames", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run each level N times; the output adds each level's median, min and max")
     p.add_argument("--out", default=None, metavar="FILE.json")
     _common(p)
 

@@ -1,0 +1,32 @@
+"""``omniloop bench --repeat``: each level run N times on one engine, with median, min and max per metric."""
+
+from __future__ import annotations
+
+import pytest
+
+from omniloop.profile import load_profile
+from omniloop.serve.bench import run_bench, summarize_runs
+
+
+def test_summary_of_runs_is_median_min_max():
+    runs = [{"concurrency": 8, "num_requests": 16, "audio_s_per_s": v, "errors": 0, "run": i}
+            for i, v in enumerate((3.0, 1.0, 2.0))]
+    assert summarize_runs(runs) == {"concurrency": 8, "runs": 3,
+                                    "audio_s_per_s": {"median": 2.0, "min": 1.0, "max": 3.0}}
+
+
+async def test_bench_repeats_each_level_on_one_engine():
+    profile = load_profile("fake", ["stages.talker.placement=thread", "stages.codec.placement=thread",
+                                    "transport=inproc"], platform="cpu")
+    result = await run_bench(profile, [2, 3], num_requests=3, num_words=2, max_frames=4, repeat=2)
+    assert [(r["concurrency"], r["run"]) for r in result["levels"]] == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert all(r["errors"] == 0 and r["audio_s_per_s"] > 0 for r in result["levels"])
+    assert [s["concurrency"] for s in result["summary"]] == [2, 3]
+    for summary in result["summary"]:
+        spread = summary["audio_s_per_s"]
+        assert summary["runs"] == 2 and spread["min"] <= spread["median"] <= spread["max"]
+
+
+async def test_repeat_must_be_positive():
+    with pytest.raises(ValueError, match="repeat"):
+        await run_bench(load_profile("fake", [], platform="cpu"), [1], None, 2, 4, repeat=0)
