@@ -181,6 +181,8 @@ def test_out_of_range_codes_fail_only_their_request() -> None:
     emits = sched.extend("bad", Chunk("bad", 0), {"codes": bad})
     assert len(emits) == 1 and isinstance(emits[0].msg, Finish) and emits[0].msg.reason == "error"
     assert "2477" in emits[0].msg.error
+    negative = sched.extend("neg", Chunk("neg", 0), {"codes": np.full((1, 16), -1, dtype=np.int64)})
+    assert len(negative) == 1 and negative[0].msg.reason == "error" and "-1" in negative[0].msg.error
     assert sched.num_requests == 1  # the good request is untouched
 
 
