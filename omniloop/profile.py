@@ -26,7 +26,7 @@ from omniloop.transport.messages import Sampling
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 PLACEMENTS = ("process", "thread")
-TRANSPORTS = ("inproc", "ipc", "tcp")
+TRANSPORTS = ("auto", "inproc", "ipc", "tcp")  # auto: inproc where both ends share the frontend's process, else ipc
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 
