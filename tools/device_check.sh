@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker]      (default: tests bench)
+# Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
+# land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
+# the tree is (the copy has no .git). Each part prints its own summary line(s).
+set -uo pipefail
+out=${OUT:-out}
+mkdir -p "$out"
+site=$(mktemp -d)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 OMNILOOP_CACHE=${OMNILOOP_CACHE:-/tmp/olcache}
+commit=${OMNILOOP_COMMIT:-unknown}
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench)
+for part in "${parts[@]}"; do
+  case $part in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gpu.py tests/test_talker_graphs_gpu.py \
+        tests/test_codec_gpu.py tests/test_codec_channels_last.py 2>&1 | tail -3 ;;
+    bench)
+      python3 -m omniloop bench qwen3_tts --model builtin:1.7b --concurrency 1,8,64 --max-frames 100 --repeat 3 \
+        --out "$out/pipeline-$commit.json" 2>&1 | grep '^{"concurrency"' ;;
+    trace)
+      python3 -m omniloop trace qwen3_tts --model builtin:1.7b --concurrency 64 --num-requests 128 --max-frames 100 \
+        --text-words 40 --out "$out/trace-$commit.json" > "$out/trace-$commit.txt" 2>&1
+      grep '^{"concurrency"' "$out/trace-$commit.txt" ;;
+    talker)
+      python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker)"; exit 2 ;;
+  esac
+done
