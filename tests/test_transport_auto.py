@@ -3,6 +3,8 @@ ipc for the rest; a mixed pipeline (one stage a thread, one a process) still run
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -10,7 +12,7 @@ from omniloop.actors.engine import Engine
 from omniloop.actors.supervisor import Addresses
 from omniloop.profile import load_profile
 from omniloop.transport.messages import SpeechRequest
-from tests.test_pipeline_fake import collect, expected_pcm
+from tests.test_pipeline_fake import collect, expected_pcm, no_leftovers
 
 
 def placed(talker: str, codec: str):
@@ -35,6 +37,7 @@ def test_auto_picks_inproc_only_where_both_ends_share_the_process(talker, codec,
 
 
 async def test_a_mixed_pipeline_runs_on_auto():
+    before = set(threading.enumerate())
     engine = await Engine.start(placed("thread", "process"))
     try:
         pcm, _, finish = await collect(engine, SpeechRequest("mixed placement"))
@@ -42,3 +45,4 @@ async def test_a_mixed_pipeline_runs_on_auto():
         np.testing.assert_array_equal(pcm, expected_pcm("mixed placement"))
     finally:
         await engine.shutdown()
+    no_leftovers(before)  # threads, sockets and the shared ZMQ context of both transports released
