@@ -11,8 +11,18 @@ from omniloop.serve.bench import run_bench, summarize_runs
 def test_summary_of_runs_is_median_min_max():
     runs = [{"concurrency": 8, "num_requests": 16, "audio_s_per_s": v, "errors": 0, "run": i}
             for i, v in enumerate((3.0, 1.0, 2.0))]
-    assert summarize_runs(runs) == {"concurrency": 8, "runs": 3,
+    assert summarize_runs(runs) == {"concurrency": 8, "runs": 3, "runs_with_errors": 0, "errors": 0,
                                     "audio_s_per_s": {"median": 2.0, "min": 1.0, "max": 3.0}}
+
+
+def test_summary_counts_errors_and_leaves_failed_runs_out_of_the_latencies():
+    runs = [{"concurrency": 2, "num_requests": 4, "first_audio_p95_s": p95, "errors": errors, "run": i}
+            for i, (p95, errors) in enumerate(((0.5, 1), (0.0, 4), (0.7, 0)))]
+    summary = summarize_runs(runs)
+    assert (summary["errors"], summary["runs_with_errors"]) == (5, 2)
+    assert summary["first_audio_p95_s"] == {"median": 0.6, "min": 0.5, "max": 0.7}  # the all-failed run's 0 is out
+    all_failed = summarize_runs([{**runs[1], "run": 0}])
+    assert "first_audio_p95_s" not in all_failed and all_failed["errors"] == 4
 
 
 async def test_bench_repeats_each_level_on_one_engine():

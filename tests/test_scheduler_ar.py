@@ -312,3 +312,19 @@ def test_grown_prompts_holding_every_block_preempt_the_least_urgent_and_resend_i
     assert [n.req_id for n in plan.new] == ["b"]
     sent = [x for _, arrays in plan.inputs for x in arrays.values()]
     assert len(sent) == 2 and all(x is y for x, y in zip(sent, b_inputs))
+
+
+def test_no_request_is_seated_while_a_seated_prompt_waits_for_blocks():
+    """Even one ahead in deadline order (it arrived first, but had nothing to feed when the other was seated):
+    seating it would take the blocks the grown prompt waits for."""
+    sched = make(max_num_tokens=32, num_kv_blocks=6, block_size=4, max_num_seqs=3)
+    sched.add("w", ArPrompt(num_prompt_tokens=1, max_frames=1, arrival=0.0, is_input_complete=False))
+    sched.add("s", ArPrompt(num_prompt_tokens=4, max_frames=1, arrival=0.1, is_input_complete=False))
+    sched.add("p", ArPrompt(num_prompt_tokens=8, max_frames=5, arrival=0.2))
+    plan = sched.schedule()
+    assert [s.req_id for s in plan.seqs] == ["s", "p"] and sched.num_free_blocks == 2  # w: nothing to feed yet
+    sched.update(plan, result(plan))
+    sched.extend("s", Chunk("s", 0), {"x": np.zeros((12, 1))})  # s now needs 4 blocks, has 1; 2 are free
+    sched.extend("w", Chunk("w", 0), {"x": np.zeros((4, 1))})
+    plan = sched.schedule()
+    assert plan.new == [] and sched.state_of("w") is ArState.WAITING and sched.num_free_blocks == 2

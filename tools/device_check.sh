@@ -20,7 +20,9 @@ for part in "${parts[@]}"; do
         tests/test_codec_gpu.py tests/test_codec_channels_last.py 2>&1 | tail -3 ;;
     bench)
       python3 -m omniloop bench qwen3_tts --model builtin:1.7b --concurrency 1,8,64 --max-frames 100 --repeat 3 \
-        --out "$out/pipeline-$commit.json" 2>&1 | grep '^{"concurrency"' ;;
+        --out "$out/pipeline-$commit.json" 2>&1 | grep '^{"concurrency"'
+      python3 -c 'import json, sys; [print(json.dumps(s)) for s in json.load(open(sys.argv[1])).get("summary", [])]' \
+        "$out/pipeline-$commit.json" ;;
     trace)
       python3 -m omniloop trace qwen3_tts --model builtin:1.7b --concurrency 64 --num-requests 128 --max-frames 100 \
         --text-words 40 --out "$out/trace-$commit.json" > "$out/trace-$commit.txt" 2>&1

@@ -152,7 +152,9 @@ class ArScheduler:
     def _fill(self, plan: ArStepPlan, reqs: list[ArRequest], now: float) -> bool:
         """Put this step's pieces into ``plan``; True if a seated request's grown prompt found no blocks."""
         budget = self.config.max_num_tokens
-        is_growth_blocked = False
+        # decided before the loop: a waiting request ahead in deadline order must not take the blocks first
+        is_growth_blocked = any(req.num_prefill_ready and self._blocks.blocks_for(req.num_tokens_max)
+                                - len(req.block_table) > self._blocks.num_free for req in self._seated.values())
         # Seated and waiting requests compete by deadline alike (a waiting one is dry since arrival),
         # except that prefill never takes the positions of the seated streams' decodes while the budget
         # holds them all: a decode costs one position, a prompt hundreds, and deferring the decodes

@@ -143,11 +143,14 @@ async def run_bench(profile: Profile, levels: list[int], num_requests: int | Non
 
 
 def summarize_runs(runs: list[dict]) -> dict:
-    """Median, min and max of every metric over the runs of one level."""
+    """Median, min and max of every metric over the runs of one level that completed any request (a run whose
+    every request failed has no latencies: its zeros would pass for perfect ones), and the errors of all."""
     metrics = [k for k, v in runs[0].items() if isinstance(v, float)]
-    out: dict = {"concurrency": runs[0]["concurrency"], "runs": len(runs)}
-    for key in metrics:
-        values = np.array([r[key] for r in runs])
+    served = [r for r in runs if r["errors"] < r["num_requests"]]
+    out: dict = {"concurrency": runs[0]["concurrency"], "runs": len(runs), "runs_with_errors":
+                 sum(r["errors"] > 0 for r in runs), "errors": sum(r["errors"] for r in runs)}
+    for key in metrics if served else ():
+        values = np.array([r[key] for r in served])
         out[key] = {"median": float(np.median(values)), "min": float(values.min()), "max": float(values.max())}
     return out
 
