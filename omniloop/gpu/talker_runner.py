@@ -25,7 +25,7 @@ from omniloop.actors.doorway import Doorway
 from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets, kv_buckets
 from omniloop.gpu.kv_budget import module_bytes, size_talker_kv
 from omniloop.gpu.observer import CudaObserver
-from omniloop.gpu.prefill_graphs import PrefillGraphs
+from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, PrefillGraphs
 from omniloop.gpu.runner import CpuRunner, Runner
 from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompts
@@ -48,7 +48,7 @@ class TalkerSteps:
 
     def __init__(self, model: Qwen3TtsModel, device: torch.device, max_num_seqs: int, max_len: int,
                  graphs: tuple[tuple[int, ...], tuple[int, ...]] | None, stream: torch.cuda.Stream | None,
-                 prefill_graphs: bool = True) -> None:
+                 prefill_graphs: bool = True, prefill_token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:
         self.model, self.device = model, device
         if device.type == "cuda":
             model.fuse_projections()
@@ -57,7 +57,8 @@ class TalkerSteps:
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
         self.prefill_graphs = None
         if graphs is not None and prefill_graphs:
-            self.prefill_graphs = PrefillGraphs(self.state, stream, max_rows=max_num_seqs)
+            self.prefill_graphs = PrefillGraphs(self.state, stream, max_rows=max_num_seqs,
+                                                token_buckets=prefill_token_buckets)
         # a voice clone's reference frames, sent with its first frame so the codec primes its state
         self.context: dict[int, np.ndarray] = {}
         # slot -> why its request could not be admitted; its later pieces (already planned: async overlap)
@@ -270,7 +271,7 @@ class CudaTalkerRunner(Runner):
     def __init__(self, model: Qwen3TtsModel, *, device: torch.device, max_num_seqs: int, max_len: int,
                  use_cuda_graphs: bool, doorway: Doorway | None = None,
                  graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-                 prefill_graphs: bool = True) -> None:
+                 prefill_graphs: bool = True, prefill_token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:
         super().__init__(doorway)
         self.device = device
         # the highest priority the device has: where stages share a process (placement thread), the GPU's
@@ -281,7 +282,8 @@ class CudaTalkerRunner(Runner):
             buckets = graph_buckets or (batch_buckets(max_num_seqs), kv_buckets(max_len))
         with torch.cuda.device(device), torch.cuda.stream(self.stream):
             self.steps: TalkerSteps | None = TalkerSteps(model, device, max_num_seqs, max_len, buckets, self.stream,
-                                                         prefill_graphs=prefill_graphs)
+                                                         prefill_graphs=prefill_graphs,
+                                                         prefill_token_buckets=prefill_token_buckets)
         self.stream.synchronize()  # start-up only: allocation and capture are done before the first step
         self._observer = self.add_observer(CudaObserver(self.doorway, name="talker-cuda-observer"))
 
@@ -312,10 +314,12 @@ class CudaTalkerRunner(Runner):
 def TalkerRunner(model: Qwen3TtsModel, *, device: torch.device | str, max_num_seqs: int, max_len: int,  # noqa: N802
                  use_cuda_graphs: bool, doorway: Doorway | None = None, gpu_memory_fraction: float | None = None,
                  graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-                 stage: str = "talker", prefill_graphs: bool = True) -> CpuTalkerRunner | CudaTalkerRunner:
+                 stage: str = "talker", prefill_graphs: bool = True,
+                 prefill_token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> CpuTalkerRunner | CudaTalkerRunner:
     """The talker runner for ``device``: the CUDA runner (graphs optional) or the CPU one.
 
-    ``prefill_graphs`` (CUDA, with ``use_cuda_graphs``): also capture the batched prefill (``PrefillGraphs``).
+    ``prefill_graphs`` (CUDA, with ``use_cuda_graphs``): also capture the batched prefill (``PrefillGraphs``), one
+    graph per (rows, tokens) bucket with tokens from ``prefill_token_buckets``.
     ``gpu_memory_fraction`` (CUDA): check that ``max_num_seqs`` x ``max_len`` fits the stage's share of
     device memory before allocating, with an error naming the numbers (see ``kv_budget``)."""
     device = torch.device(device)
@@ -327,4 +331,4 @@ def TalkerRunner(model: Qwen3TtsModel, *, device: torch.device | str, max_num_se
                        gpu_memory_fraction=gpu_memory_fraction, weight_bytes=module_bytes(model), max_len=max_len)
     return CudaTalkerRunner(model, device=device, max_num_seqs=max_num_seqs, max_len=max_len,
                             use_cuda_graphs=use_cuda_graphs, doorway=doorway, graph_buckets=graph_buckets,
-                            prefill_graphs=prefill_graphs)
+                            prefill_graphs=prefill_graphs, prefill_token_buckets=prefill_token_buckets)

@@ -112,6 +112,7 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def build_talker(stage: Any, profile: Any) -> Worker:
+    from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, check_token_buckets
     from omniloop.gpu.talker_runner import TalkerRunner
 
     ckpt = resolve_checkpoint(profile)
@@ -120,9 +121,13 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     use_graphs = bool(opts.pop("cuda_graphs", stage.device.startswith("cuda")))
     prefill_graphs = bool(opts.pop("prefill_cuda_graphs", use_graphs))
     max_ref_seconds = float(opts.pop("max_ref_seconds", 60.0))
+    try:
+        token_buckets = check_token_buckets(opts.pop("prefill_token_buckets", TOKEN_BUCKETS))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"stage {stage.name!r}: option prefill_token_buckets: {exc}") from None
     if opts:
-        raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.talker "
-                         "(known: max_model_len, cuda_graphs, prefill_cuda_graphs, max_ref_seconds)")
+        raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.talker (known: "
+                         "max_model_len, cuda_graphs, prefill_cuda_graphs, prefill_token_buckets, max_ref_seconds)")
     model, _ = build_model(ckpt.path, load_format=ckpt.load_format, device=stage.device,
                            dtype=_torch_dtype(stage.dtype), seed=profile.seed)
     cfg = model.cfg
@@ -131,7 +136,7 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     runner = TalkerRunner(model, device=stage.device, max_num_seqs=stage.max_num_seqs,
                           max_len=max_model_len, use_cuda_graphs=use_graphs,
                           gpu_memory_fraction=stage.gpu_memory_fraction, stage=stage.name,
-                          prefill_graphs=prefill_graphs)
+                          prefill_graphs=prefill_graphs, prefill_token_buckets=token_buckets)
     if torch.device(stage.device).type == "cuda":
         log.info("talker_ready_on_gpu", stage=stage.name, max_num_seqs=stage.max_num_seqs, max_model_len=max_model_len,
                  reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
