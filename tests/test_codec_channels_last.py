@@ -18,6 +18,7 @@ from omniloop.models.qwen3_tts.speech_layers import (
 from omniloop.models.qwen3_tts.speech_stream import CodecStreams
 from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
 from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
+from tests.test_tts_codec_stream import stream_round_robin
 
 SPF = 1920
 DTYPES = [torch.float32, torch.float64]
@@ -106,20 +107,7 @@ def test_streamed_rows_equal_reference_one_shot(decoders, dtype: torch.dtype) ->
     lengths, sizes = {"x": 80, "y": 23, "z": 9}, {"x": [1, 2, 3, 7, 25], "y": [4, 1], "z": [2]}
     codes = {r: np.random.default_rng(20 + i).integers(0, 2048, (n, 16)) for i, (r, n) in enumerate(lengths.items())}
     streams = CodecStreams(cl, initial_slots=1)  # grows: tails are copied between pools
-    for r in codes:
-        streams.open(r)
-    pos = dict.fromkeys(codes, 0)
-    out: dict[str, list[np.ndarray]] = {r: [] for r in codes}
-    step = 0
-    while any(pos[r] < lengths[r] for r in codes):
-        batch = []
-        for r in codes:
-            n = min(sizes[r][step % len(sizes[r])], lengths[r] - pos[r])
-            batch.append((r, codes[r][pos[r]:pos[r] + n]))
-            pos[r] += n
-        for (r, _), pcm in zip(batch, streams.decode(batch)):
-            out[r].append(pcm.numpy())
-        step += 1
+    out, _ = stream_round_robin(streams, codes, sizes, keep_finished=True)
     for r, c in codes.items():
         want = ref.decode(torch.from_numpy(c)[None])[0].numpy()
         assert_same_pcm(np.concatenate(out[r]), want)

@@ -65,27 +65,36 @@ def test_stream_equals_one_shot_float32(decoder) -> None:
     assert_close(streamed, one_shot)
 
 
-def test_interleaved_requests_in_one_batched_call(decoder64) -> None:
-    decoder = decoder64
-    lengths, sizes = {"x": 40, "y": 23, "z": 9}, {"x": [3, 5], "y": [1, 7], "z": [2]}
-    codes = {r: random_codes(n, seed=10 + i) for i, (r, n) in enumerate(lengths.items())}
-    streams = CodecStreams(decoder, initial_slots=1)  # also exercises pool growth
+def stream_round_robin(streams: CodecStreams, codes: dict[str, np.ndarray], sizes: dict[str, list[int]],
+                       keep_finished: bool = False) -> tuple[dict[str, list[np.ndarray]], int]:
+    """Every request's codes in chunks of its cycling ``sizes``, all requests in one batched decode call per
+    round; ``keep_finished``: a request whose codes are all sent rides along with empty chunks. Checks each
+    chunk's PCM length; returns the PCM pieces per request and the number of rounds."""
     for r in codes:
         streams.open(r)
     pos = dict.fromkeys(codes, 0)
     out: dict[str, list[np.ndarray]] = {r: [] for r in codes}
     rounds = 0
-    while any(pos[r] < lengths[r] for r in codes):
+    while any(pos[r] < len(c) for r, c in codes.items()):
         batch = []
-        for r in codes:
-            if pos[r] < lengths[r]:
+        for r, c in codes.items():
+            if keep_finished or pos[r] < len(c):
                 n = sizes[r][rounds % len(sizes[r])]
-                batch.append((r, codes[r][pos[r]:pos[r] + n]))
+                batch.append((r, c[pos[r]:pos[r] + n]))
                 pos[r] += len(batch[-1][1])
         for (r, chunk), pcm in zip(batch, streams.decode(batch)):
             assert pcm.shape == (chunk.shape[0] * SPF,)
             out[r].append(pcm.numpy())
         rounds += 1
+    return out, rounds
+
+
+def test_interleaved_requests_in_one_batched_call(decoder64) -> None:
+    decoder = decoder64
+    lengths, sizes = {"x": 40, "y": 23, "z": 9}, {"x": [3, 5], "y": [1, 7], "z": [2]}
+    codes = {r: random_codes(n, seed=10 + i) for i, (r, n) in enumerate(lengths.items())}
+    streams = CodecStreams(decoder, initial_slots=1)  # also exercises pool growth
+    out, rounds = stream_round_robin(streams, codes, sizes)
     assert streams.num_calls == rounds
     assert streams.num_frames_decoded == sum(lengths.values())
     for r in codes:
