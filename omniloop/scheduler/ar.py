@@ -153,8 +153,8 @@ class ArScheduler:
         """Put this step's pieces into ``plan``; True if a seated request's grown prompt found no blocks."""
         budget = self.config.max_num_tokens
         # decided before the loop: a waiting request ahead in deadline order must not take the blocks first
-        is_growth_blocked = any(req.num_prefill_ready and self._blocks.blocks_for(req.num_tokens_max)
-                                - len(req.block_table) > self._blocks.num_free for req in self._seated.values())
+        is_growth_blocked = any(req.num_prefill_ready and not self._blocks.can_grow(req.block_table, req.num_tokens_max)
+                                for req in self._seated.values())
         # Seated and waiting requests compete by deadline alike (a waiting one is dry since arrival),
         # except that prefill never takes the positions of the seated streams' decodes while the budget
         # holds them all: a decode costs one position, a prompt hundreds, and deferring the decodes
@@ -207,16 +207,12 @@ class ArScheduler:
         if not candidates:
             return False
         victim = by_deadline(candidates, now)[-1]
-        self._blocks.free(victim.block_table)
-        victim.block_table = []
+        self._unseat(victim)
         victim.num_blocks_sent = 0
-        self._slots.release(victim.slot)
-        victim.slot = -1
         victim.num_computed = 0
         victim.pending_inputs[:0] = victim.sent_inputs
         victim.sent_inputs = []
         victim.state = ArState.WAITING
-        del self._seated[victim.req_id]
         self._waiting[victim.req_id] = victim
         return True
 
@@ -372,11 +368,15 @@ class ArScheduler:
         if req.is_finished:
             return
         req.state = ArState.FINISHED
+        self._unseat(req)
+        self._waiting.pop(req.req_id, None)
+        if self._reqs.get(req.req_id) is req:
+            del self._reqs[req.req_id]
+
+    def _unseat(self, req: ArRequest) -> None:
+        """Give back the request's blocks and slot and take it off the seats (finished, or preempted)."""
         self._blocks.free(req.block_table)
         if req.slot >= 0:
             self._slots.release(req.slot)
             req.slot = -1
-        self._waiting.pop(req.req_id, None)
         self._seated.pop(req.req_id, None)
-        if self._reqs.get(req.req_id) is req:
-            del self._reqs[req.req_id]

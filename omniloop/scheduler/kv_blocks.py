@@ -24,14 +24,15 @@ class BlockPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        """Whether ``grow(table, num_tokens)`` would succeed now."""
+        return self.blocks_for(num_tokens) - len(table) <= len(self._free)
+
     def grow(self, table: list[int], num_tokens: int) -> bool:
         """Extend ``table`` to cover ``num_tokens`` positions; all or nothing (False leaves it unchanged)."""
-        num_new = self.blocks_for(num_tokens) - len(table)
-        if num_new <= 0:
-            return True
-        if num_new > len(self._free):
+        if not self.can_grow(table, num_tokens):
             return False
-        table.extend(self._free.popleft() for _ in range(num_new))
+        table.extend(self._free.popleft() for _ in range(self.blocks_for(num_tokens) - len(table)))
         return True
 
     def free(self, table: list[int]) -> None:
