@@ -9,6 +9,7 @@ msgpack bytes, so nothing but a bytes object crosses the spawn boundary.
 from __future__ import annotations
 
 import asyncio
+import gc
 import multiprocessing
 import signal
 import threading
@@ -124,6 +125,15 @@ class ThreadHandle(ActorHandle):
 
     def join(self, timeout_s: float | None = None) -> None:
         self.thread.join(timeout_s)
+
+
+def freeze_startup_heap() -> None:
+    """Everything start-up built (torch, the models, captured graphs) lives as long as the process serves: keep it
+    out of the cyclic collector, whose full pass over it held the GIL ~60-100 ms, stalling every loop thread at
+    once (a stream's whole buffer at first audio). Garbage first: what is frozen is never collected. The engine
+    unfreezes at shutdown (``gc.unfreeze``); a stage process just exits."""
+    gc.collect()
+    gc.freeze()
 
 
 def process_main(spec_bytes: bytes) -> None:

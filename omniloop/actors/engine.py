@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from omniloop.actors.actor import freeze_startup_heap
 from omniloop.actors.collector import Collector, Output
 from omniloop.actors.doorway import Doorway
 from omniloop.actors.supervisor import STAGE_EXIT_TIMEOUT_S, Supervisor, describe_exit
@@ -98,12 +99,7 @@ class Engine:
         except BaseException:
             await self._stop_all(timeout_s=0.0)
             raise
-        # Everything built so far (torch, the models, captured graphs) lives as long as the engine: keep it out
-        # of the cyclic collector, whose full pass over it held the GIL ~60-100 ms, stalling every stage thread
-        # at once (a stream's whole buffer at first audio). Back to collectable at shutdown. Garbage first: what is
-        # frozen is never collected.
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()  # back to collectable at shutdown
         self._is_ready = True
         log.info("engine_ready", profile=self.profile.name, stages=self.profile.stage_names)
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import os
 import time
 import traceback
 from typing import Any
 
-from omniloop.actors.actor import EXIT_FATAL, EXIT_OK, EXIT_START_FAILED, ActorSpec
+from omniloop.actors.actor import EXIT_FATAL, EXIT_OK, EXIT_START_FAILED, ActorSpec, freeze_startup_heap
 from omniloop.actors.doorway import Doorway, doorway_for
 from omniloop.actors.trace import Tracer, now_us
 from omniloop.errors import FrameError
@@ -70,8 +69,8 @@ class StageActor:
     # ---- lifecycle
     async def run(self, freeze_heap: bool = False) -> int:
         """Start, report Ready, serve until stopped; always closes what it opened. Returns the exit code.
-        ``freeze_heap`` (a stage process): what start-up built is moved out of the cyclic collector (as the
-        engine does for its process, see ``Engine.start``)."""
+        ``freeze_heap`` (a stage process): what start-up built is moved out of the cyclic collector
+        (``freeze_startup_heap``, as the engine does for its process)."""
         loop = asyncio.get_running_loop()
         self._doorway = doorway_for(loop)
         self._stopped = loop.create_future()
@@ -87,8 +86,7 @@ class StageActor:
                 self._to_frontend.send(Ready(self.stage.name, os.getpid(), ok=False, error=self.start_error))
                 return EXIT_START_FAILED
             if freeze_heap:
-                gc.collect()
-                gc.freeze()
+                freeze_startup_heap()
             self._to_frontend.send(Ready(self.stage.name, os.getpid(), info={"model": self.stage.model}))
             log_.info("stage_ready", model=self.stage.model, placement=self.stage.placement)
             reason = await self._stopped
@@ -302,12 +300,11 @@ class StageActor:
         run_layout = None
         for emit in emits:
             shape = batching.layout(emit.msg, emit.arrays) if emit.dest == "next" and self.has_next_stage else None
-            if shape is not None and shape == run_layout:
-                run.append((emit.msg, emit.arrays))
-                continue
-            self._send_run(run)
-            run, run_layout = ([(emit.msg, emit.arrays)], shape) if shape is not None else ([], None)
+            if shape is None or shape != run_layout:  # the run ends here: it goes before this emit
+                self._send_run(run)
+                run, run_layout = [], shape
             if shape is not None:
+                run.append((emit.msg, emit.arrays))
                 continue
             if emit.dest == "next":
                 self._to_next.send(emit.msg, emit.arrays)
