@@ -109,6 +109,61 @@ def check_norm_rope() -> None:
         assert torch.equal(single, got)
 
 
+def check_norm_rope_blocks() -> None:
+    """Calls of >= BLOCK_FROM tokens (blocks of tokens per program) compute what one token per program does."""
+    torch.manual_seed(3)
+    nq, nk, d = 2, 1, 16
+    qkv = torch.randn(3, 175, (nq + 2 * nk) * d)  # 525 tokens: blocks, the last one part-empty
+    wq, wk = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    angle = torch.randn(3 * 175, d)
+    cos, sin = angle.cos(), angle.sin()
+    folded = torch.cat((-sin[:, :d // 2], sin[:, d // 2:]), -1)
+    q, k = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, folded)
+    for i in range(0, 3):  # one row (175 tokens) at a time: one token per program
+        qi, ki = qk_norm_rope(qkv[i:i + 1].contiguous(), nq, nk, wq, wk, 1e-6, cos[i * 175:(i + 1) * 175],
+                              folded[i * 175:(i + 1) * 175])
+        torch.testing.assert_close(q[i:i + 1], qi, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(k[i:i + 1], ki, rtol=1e-6, atol=1e-6)
+
+
+def check_prefix_attention() -> None:
+    """A whole-prompt prefill (``prefix``: every row from position 0, right-padded) attends its own keys
+    causally; it must give the masked attention over the cache for every real token, and write the same cache,
+    with the one-launch cache write on and off."""
+    cfg = DecoderConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
+    torch.manual_seed(9)
+    max_len, n = 12, 6
+    lens = [6, 4, 1]
+    positions = torch.tensor([[i if i < m else max_len for i in range(n)] for m in lens])
+    slots = torch.tensor([2, 0, 3])
+    stack = DecoderStack(cfg)
+    for p in stack.parameters():
+        p.data = torch.randn(p.shape) * (0.2 if p.dim() > 1 else 1) + (1 if p.dim() == 1 else 0)
+    stack.fuse()
+    attn = stack.layers[0].self_attn
+    cos_table, _, folded_table = stack.rope.table(max_len + 1, torch.float32)
+    at = positions.clamp(max=max_len).reshape(-1)
+    x = torch.randn(3, n, cfg.hidden_size)
+    cache = torch.randn(2, 4, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+    for fused in (True, False):
+        layers.FUSED_KV_WRITE = fused
+        out = {}
+        for prefix in (True, False):
+            step = stack._step(x, positions, cache[0], slots, n, prefix)
+            step = dataclasses.replace(step, rows=(cos_table[at], folded_table[at]))
+            assert (step.mask is None) is prefix
+            k_cache, v_cache = cache.clone()
+            with torch.no_grad():
+                out[prefix] = (attn(x, k_cache, v_cache, step), k_cache, v_cache)
+        for row, m in enumerate(lens):
+            torch.testing.assert_close(out[True][0][row, :m], out[False][0][row, :m], rtol=1e-5, atol=1e-5)
+        assert torch.equal(out[True][1][:, :max_len], out[False][1][:, :max_len])
+        assert torch.equal(out[True][2][:, :max_len], out[False][2][:, :max_len])
+    layers.FUSED_KV_WRITE = True
+
+
 def check_silu_mul() -> None:
     torch.manual_seed(2)
     gate_up = torch.randn(5, 2 * 1500) * 3  # 1500: more than one block, not a multiple of it
@@ -131,6 +186,9 @@ def check_norm_rope_cache() -> None:
         (2, 4, wide, torch.tensor([3, 1])),  # batched prefill
         (2, 4, wide, None),
         (2, 4, wide[:, None], torch.tensor([3, 1])),  # the [B, 1, L] view Attention passes (s.index[2])
+        # a prefill of >= BLOCK_FROM tokens: programs take blocks of tokens, the last block part-empty
+        (4, 131, torch.arange(131).repeat(4, 1).masked_fill(torch.arange(131) >= 120, max_len) % (max_len + 1),
+         torch.tensor([4, 0, 2, 3])),
     ]
     for dtype in (torch.float32, torch.bfloat16):
         wq, wk = ((torch.rand(d) + 0.5).to(dtype) for _ in range(2))
@@ -149,8 +207,16 @@ def check_norm_rope_cache() -> None:
             case = (dtype, b, n, slots)
             assert torch.equal(q, want_q), case
             assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), case
-            written = int((k_cache != cache[0]).any(-1).sum())
-            assert written == b * n * nk, (case, written)  # not vacuous: every token's keys landed
+            if b * n < 512:
+                written = int((k_cache != cache[0]).any(-1).sum())
+                assert written == b * n * nk, (case, written)  # not vacuous: every token's keys landed
+            # keep_keys: the same writes, and the keys returned after the queries are qk_norm_rope's
+            k_cache, v_cache = cache.clone()
+            qk = qk_norm_rope_cache(qkv, nq, nk, wq, wk, 1e-6, cos, folded, k_cache, v_cache, positions, slots,
+                                    keep_keys=True)
+            _, want_keys = qk_norm_rope(qkv, nq, nk, wq, wk, 1e-6, cos, folded)
+            assert torch.equal(qk[:, :, :nq], want_q) and torch.equal(qk[:, :, nq:], want_keys), case
+            assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), case
     check_scratch_collisions()
 
 
@@ -393,6 +459,8 @@ if __name__ == "__main__":
     check_sampler()
     check_sampler_edges()
     check_norm_rope()
+    check_norm_rope_blocks()
+    check_prefix_attention()
     check_silu_mul()
     check_norm_rope_cache()
     check_attention_writes_kv()

@@ -96,7 +96,8 @@ def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: in
     model.fuse_projections()  # as the CUDA runner does
     state = TalkerState.allocate(model, max(batch), context + 8, max_trailing=64)
     for slot in range(max(batch)):
-        state.reset(slot, torch.zeros(1, 1), torch.zeros(4, model.cfg.talker.decoder.hidden_size), SAMPLED, slot)
+        state.reset(slot, torch.zeros(1, 1), torch.zeros(4, model.cfg.talker.decoder.hidden_size, device="cuda"),
+                    SAMPLED, slot)  # trailing text on the state's device, as the runner's prompts are
     state.next_input.normal_()
     dec, cp = model.talker.model, model.code_predictor
     talker_bytes = module_bytes(dec) + module_bytes(model.talker.codec_head)

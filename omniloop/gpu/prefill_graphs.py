@@ -6,9 +6,9 @@ step could be submitted meanwhile (benchmarks/pipeline.md). Replaying a captured
 host one launch.
 
 A graph takes pieces that start at position 0 (whole prompts, or the first piece of a long one),
-right-padded to ``tokens`` positions in ``rows`` rows; attention reads keys ``[0, tokens)`` of each
-row's slot, masked per query position, so the keys past a piece's end (stale, from the slot's previous
-request) are never attended. Padding tokens and padding rows write their K/V on the scratch position
+right-padded to ``tokens`` positions in ``rows`` rows. Since every piece starts at 0, each token attends
+the call's own keys causally (``prefix``: flash attention, no mask, no gather of the slot's cache; the keys
+and values are also written to each row's slot), and a real token never sees the padding after it. Padding tokens and padding rows write their K/V on the scratch position
 (``max_len``) of slot 0 and their outputs are ignored. Pieces that start later (the rest of a chunked
 prompt) run eagerly. All graphs share one memory pool and one input buffer and are captured largest
 first; replays are serialized on the runner's stream.
@@ -66,7 +66,7 @@ class PrefillGraphs:
         s = self.state
         x = self._x[:rows * tokens].view(rows, tokens, -1)
         pos = self._pos[:rows * tokens].view(rows, tokens)
-        return s.model.talker.model(x, pos, s.cache.k, s.cache.v, self._slots[:rows], tokens)
+        return s.model.talker.model(x, pos, s.cache.k, s.cache.v, self._slots[:rows], tokens, prefix=True)
 
     def _capture(self, stream: torch.cuda.Stream, rows: int, tokens: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # every position is the scratch one here: warm-up and capture write no slot's real KV

@@ -19,31 +19,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, cos_row, eps, D: tl.constexpr):
-    """The D values at ``x_ptr + src``, RMS-normalized (query or key weight) and rotated, in float32."""
-    offs = tl.arange(0, D)
+def _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, cos_row, eps, live, D: tl.constexpr):
+    """The D values at ``x_ptr + src`` of each token of a block (``src``, ``cos_row``, ``live``: ``[T]``),
+    RMS-normalized (query or key weight) and rotated, in float32: ``[T, D]``."""
+    offs = tl.arange(0, D)[None, :]
     rot = (offs + D // 2) % D  # rotate_half's partner of each lane
-    x = tl.load(x_ptr + src + offs).to(tl.float32)
-    xr = tl.load(x_ptr + src + rot).to(tl.float32)
+    lane = live[:, None] & (offs < D)
+    x = tl.load(x_ptr + src[:, None] + offs, mask=lane, other=0.0).to(tl.float32)
+    xr = tl.load(x_ptr + src[:, None] + rot, mask=lane, other=0.0).to(tl.float32)
     w = tl.where(is_q, tl.load(wq_ptr + offs), tl.load(wk_ptr + offs)).to(tl.float32)
     wr = tl.where(is_q, tl.load(wq_ptr + rot), tl.load(wk_ptr + rot)).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    scale = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
     y = x * scale * w
     yr = xr * scale * wr
-    row = cos_row.to(tl.int64) * D
-    cos = tl.load(cos_ptr + row + offs).to(tl.float32)
-    sin = tl.load(sin_ptr + row + offs).to(tl.float32)  # sign-folded: -sin on the first half
+    row = cos_row.to(tl.int64)[:, None] * D
+    cos = tl.load(cos_ptr + row + offs, mask=lane, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row + offs, mask=lane, other=0.0).to(tl.float32)  # sign-folded: -sin, first half
     return y * cos + yr * sin
 
 
-@triton.jit(do_not_specialize=["start"])
+@triton.jit(do_not_specialize=["start", "num_tokens"])
 def _norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, num_q_heads, num_k_heads,
                       out_heads, cos_rows, eps, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, start, row_len,
-                      num_slots, num_positions, slot_stride, head_stride, pos_stride,
-                      D: tl.constexpr, TO_CACHE: tl.constexpr):
-    token = tl.program_id(0)
+                      num_slots, num_positions, slot_stride, head_stride, pos_stride, num_tokens,
+                      D: tl.constexpr, TO_CACHE: tl.constexpr, KEEP_K: tl.constexpr, T: tl.constexpr):
+    token = tl.program_id(0) * T + tl.arange(0, T)  # a block of T tokens: one per decode row, more in prefill
     head = tl.program_id(1)
-    offs = tl.arange(0, D)
+    live = token < num_tokens
+    offs = tl.arange(0, D)[None, :]
+    lane = live[:, None] & (offs < D)
     src = token.to(tl.int64) * x_stride + head * D
     is_q = head < num_q_heads
     out_dst = (token.to(tl.int64) * out_heads + head) * D
@@ -52,28 +56,39 @@ def _norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, out_ptr, x_stride
         if slot_ptr is None:
             slot = row.to(tl.int64)
         else:
-            slot = tl.load(slot_ptr + row).to(tl.int64)
+            slot = tl.load(slot_ptr + row, mask=live, other=-1).to(tl.int64)
         if pos_ptr is None:
             pos = (start + token % row_len).to(tl.int64)
         else:
-            pos = tl.load(pos_ptr + token).to(tl.int64)
-        # an index outside the cache drops the write instead of scribbling over other memory (a lane
-        # compare, not a scalar mask: Triton's interpreter rejects a broadcast scalar mask)
-        inside = offs < tl.where((slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < num_positions), D, 0)
-        cache_row = slot * slot_stride + pos * pos_stride
+            pos = tl.load(pos_ptr + token, mask=live, other=-1).to(tl.int64)
+        # an index outside the cache drops the write instead of scribbling over other memory
+        inside = lane & ((slot >= 0) & (slot < num_slots) & (pos >= 0) & (pos < num_positions))[:, None]
+        cache_row = (slot * slot_stride + pos * pos_stride)[:, None]
         if head >= num_q_heads + num_k_heads:  # a value head: copied as it is, no rounding
             dst = cache_row + (head - num_q_heads - num_k_heads).to(tl.int64) * head_stride
-            tl.store(v_cache_ptr + dst + offs, tl.load(x_ptr + src + offs), mask=inside)
+            tl.store(v_cache_ptr + dst + offs, tl.load(x_ptr + src[:, None] + offs, mask=lane), mask=inside)
         else:
-            y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, D)
+            y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, live, D)
             if is_q:
-                tl.store(out_ptr + out_dst + offs, y.to(out_ptr.dtype.element_ty))
+                tl.store(out_ptr + out_dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
             else:
                 dst = cache_row + (head - num_q_heads).to(tl.int64) * head_stride
                 tl.store(k_cache_ptr + dst + offs, y.to(k_cache_ptr.dtype.element_ty), mask=inside)
+                if KEEP_K:  # the keys also go to the output, after the queries (the prefix prefill attends them)
+                    tl.store(out_ptr + out_dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
     else:
-        y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, D)
-        tl.store(out_ptr + out_dst + offs, y.to(out_ptr.dtype.element_ty))
+        y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, live, D)
+        tl.store(out_ptr + out_dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
+
+
+BLOCK_FROM = 512  # calls over at least this many tokens (prefill) give each program a block of tokens
+
+
+def _grid(num_tokens: int, heads: int) -> tuple[tuple[int, int], int]:
+    """(grid, tokens per program): one token per program for decode-sized calls (many programs, each light),
+    16 for prefill-sized ones (a program per token and head of a 5,120-token prefill was ~100 us a layer)."""
+    t = 16 if num_tokens >= BLOCK_FROM else 1
+    return (triton.cdiv(num_tokens, t), heads), t
 
 
 def _launch(x: torch.Tensor, x_stride: int, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
@@ -81,9 +96,10 @@ def _launch(x: torch.Tensor, x_stride: int, wq: torch.Tensor, wk: torch.Tensor, 
     """Queries and keys only: every head of ``out`` ``[B, L, heads, D]`` (the first ``num_q_heads`` queries,
     the rest keys) is read from token row ``t`` of x at ``t * x_stride + head * D``, normalized and rotated."""
     b, n, heads, d = out.shape
-    _norm_rope_kernel[(b * n, heads)](x, wq, wk, cos, sin_folded, out, x_stride, num_q_heads, heads - num_q_heads,
-                                      heads, cos.shape[0], eps, None, None, None, None, 0, 1, 0, 0, 0, 0, 0,
-                                      D=d, TO_CACHE=False, num_warps=1)
+    grid, t = _grid(b * n, heads)
+    _norm_rope_kernel[grid](x, wq, wk, cos, sin_folded, out, x_stride, num_q_heads, heads - num_q_heads, heads,
+                            cos.shape[0], eps, None, None, None, None, 0, 1, 0, 0, 0, 0, 0, b * n,
+                            D=d, TO_CACHE=False, KEEP_K=False, T=t, num_warps=1 if t == 1 else 4)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -108,8 +124,9 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, wq: torc
 def qk_norm_rope_cache(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, wq: torch.Tensor, wk: torch.Tensor,
                        eps: float, cos: torch.Tensor, sin_folded: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, positions: torch.Tensor | int,
-                       slots: torch.Tensor | None) -> torch.Tensor:
-    """``qk_norm_rope`` that stores keys and values in the cache instead of returning them.
+                       slots: torch.Tensor | None, keep_keys: bool = False) -> torch.Tensor:
+    """``qk_norm_rope`` that stores keys and values in the cache instead of returning them (``keep_keys``:
+    returns ``[B, L, nq + nk, D]``, the keys after the queries, as well as storing them).
 
     qkv ``[B, L, (nq + 2 * nk) * D]`` (contiguous; values after the keys); k_cache, v_cache one layer's
     ``[num_slots, nk, num_positions, D]`` of qkv's dtype (same strides, D contiguous). Token ``l`` of row ``b``
@@ -141,9 +158,12 @@ def qk_norm_rope_cache(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, wq
             raise ValueError(f"{slots.numel()} slots for {b} rows")
     elif b > k_cache.shape[0]:
         raise ValueError(f"{b} rows but only {k_cache.shape[0]} cache slots")
-    q = torch.empty((b, n, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
-    _norm_rope_kernel[(b * n, num_q_heads + 2 * num_k_heads)](
-        qkv, wq, wk, cos, sin_folded, q, width, num_q_heads, num_k_heads, num_q_heads, cos.shape[0], eps,
+    out_heads = num_q_heads + (num_k_heads if keep_keys else 0)
+    q = torch.empty((b, n, out_heads, d), dtype=qkv.dtype, device=qkv.device)
+    grid, t = _grid(b * n, num_q_heads + 2 * num_k_heads)
+    _norm_rope_kernel[grid](
+        qkv, wq, wk, cos, sin_folded, q, width, num_q_heads, num_k_heads, out_heads, cos.shape[0], eps,
         k_cache, v_cache, pos, slots, start, n, k_cache.shape[0], k_cache.shape[2], k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), D=d, TO_CACHE=True, num_warps=1)
+        k_cache.stride(1), k_cache.stride(2), b * n, D=d, TO_CACHE=True, KEEP_K=keep_keys, T=t,
+        num_warps=1 if t == 1 else 4)
     return q

@@ -130,6 +130,9 @@ class StackStep:
     # set when attention runs the fused decode kernel (then ``mask`` is None): the int kv_len shared by every
     # row, or each row's position + 1 ``[B]`` (the kernel clamps it to kv_len: scratch rows read the bucket)
     decode_lengths: torch.Tensor | int | None = None
+    # every row's tokens sit at positions 0..L-1, right-padded (a prefill of whole prompts): each query attends
+    # its own call's keys causally (flash attention), not the cache through a mask
+    prefix: bool = False
 
     def norm_rope(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """RMSNorm over the last dim, then rope; x ``[B, L, heads, D]``."""
@@ -196,15 +199,22 @@ class Attention(nn.Module):
         return q, k, self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
 
     def _q_writing_kv(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      s: StackStep) -> torch.Tensor:
+                      s: StackStep) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The fused path's q ``[B, L, heads, D]``; the same launch stores x's keys (normalized, rotated) and
         values in the cache where ``forward``'s separate writes would: at ``s.start + l`` of slot ``b``, or at
-        the per-row write positions ``s.index[2]`` (already clamped to the scratch position) of ``s.slots``."""
+        the per-row write positions ``s.index[2]`` (already clamped to the scratch position) of ``s.slots``.
+        With ``s.prefix`` also x's keys and values ``[B, L, kv_heads, D]`` (else None)."""
         from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope_cache
 
         positions = s.start if s.start is not None else s.index[2]
-        return qk_norm_rope_cache(self._fused_qkv(x), self.num_heads, self.num_kv_heads, self.q_norm.weight,
-                                  self.k_norm.weight, self.q_norm.eps, *s.rows, k_cache, v_cache, positions, s.slots)
+        qkv = self._fused_qkv(x)
+        out = qk_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
+                                 self.q_norm.eps, *s.rows, k_cache, v_cache, positions, s.slots, keep_keys=s.prefix)
+        if not s.prefix:
+            return out, None, None
+        b, n, _ = x.shape
+        v = qkv[..., (self.num_heads + self.num_kv_heads) * self.head_dim:].view(b, n, self.num_kv_heads, self.head_dim)
+        return out[:, :, :self.num_heads], out[:, :, self.num_heads:], v
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
@@ -212,16 +222,20 @@ class Attention(nn.Module):
         gathering (a copy)."""
         b, n, _ = x.shape
         if self._is_fused_path(s) and FUSED_KV_WRITE:
-            q = self._q_writing_kv(x, k_cache, v_cache, s)
+            q, k, v = self._q_writing_kv(x, k_cache, v_cache, s)
         else:
             q, k, v = self._qkv(x, s)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
             if s.start is not None:
-                k_cache[:b, :, s.start:s.start + n] = k
-                v_cache[:b, :, s.start:s.start + n] = v
+                k_cache[:b, :, s.start:s.start + n] = k.transpose(1, 2)
+                v_cache[:b, :, s.start:s.start + n] = v.transpose(1, 2)
             else:
-                k_cache.index_put_(s.index, k)
-                v_cache.index_put_(s.index, v)
+                k_cache.index_put_(s.index, k.transpose(1, 2))
+                v_cache.index_put_(s.index, v.transpose(1, 2))
+        gqa = self.num_heads != self.num_kv_heads
+        if s.prefix:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=gqa)
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
         if s.decode_lengths is not None:
             from omniloop.gpu.kernels.decode_attention import decode_attention
 
@@ -232,7 +246,6 @@ class Attention(nn.Module):
             keys, values = k_cache[:b, :, :s.kv_len], v_cache[:b, :, :s.kv_len]
         else:
             keys, values = k_cache[s.slots, :, :s.kv_len], v_cache[s.slots, :, :s.kv_len]
-        gqa = self.num_heads != self.num_kv_heads
         if s.start is not None:  # every key in [0, kv_len) is valid for every row; causal within x's tokens
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=n > 1, enable_gqa=gqa)
         elif s.fast and n == 1:
@@ -358,11 +371,15 @@ class DecoderStack(nn.Module):
                    for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slots: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+                slots: torch.Tensor | None, kv_len: int, prefix: bool = False) -> torch.Tensor:
         """x ``[B, L, H]``; positions ``[B, L]`` absolute (also the cache positions written), or an int: every
         row at positions ``positions..positions+L-1`` with all keys below ``kv_len = positions + L`` valid.
-        ``slots=None`` means row i uses slot i (see ``Attention``)."""
-        step = self._step(x, positions, k_cache, slots, kv_len)
+        ``slots=None`` means row i uses slot i (see ``Attention``). ``prefix``: the caller promises every row's
+        real tokens are at positions ``0..n_i-1`` (right padding after them, ``kv_len == L``), so attention is
+        causal over the call's own keys; padding queries' outputs are then meaningless (the caller drops them)."""
+        if prefix and (isinstance(positions, int) or kv_len != x.shape[1]):
+            raise ValueError("a prefix call takes per-token positions and kv_len equal to its length")
+        step = self._step(x, positions, k_cache, slots, kv_len, prefix)
         if FUSED_ADD_NORM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and len(self.layers):
             return self._forward_fused(x, k_cache, v_cache, step)
         for i, layer in enumerate(self.layers):
@@ -383,7 +400,7 @@ class DecoderStack(nn.Module):
         return h
 
     def _step(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor,
-              slots: torch.Tensor | None, kv_len: int) -> StackStep:
+              slots: torch.Tensor | None, kv_len: int, prefix: bool = False) -> StackStep:
         b, n, dev = x.shape[0], x.shape[1], x.device
         fast = x.is_cuda
         fused_attention = FUSED_DECODE_ATTENTION and fast and x.dtype in (torch.bfloat16, torch.float16)
@@ -414,6 +431,8 @@ class DecoderStack(nn.Module):
         index = (batch_rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
         if fused_attention and n == 1:  # the kernel masks by length: no mask to build
             return StackStep(cos, sin, kv_len, fast, None, index, slots, None, rows, positions[:, 0] + 1)
+        if prefix:
+            return StackStep(cos, sin, kv_len, fast, None, index, slots, None, rows, prefix=True)
         keys = torch.arange(kv_len, device=dev)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]
         if fast and n == 1:
