@@ -20,15 +20,11 @@ import torch
 from omniloop.gpu.talker_state import TalkerState
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-# The codec's steps cost in proportion to their rows (convolutions, compute-bound), unlike the talker's
-# (weight reads): a step of 36 streams padded to 48 wastes a quarter of it, so the codec has a bucket every 8
-# rows from 16 to 64 (36 -> 40). The H200 trace at 64 streams had 36-row codec steps every 8 frames.
-CODEC_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 SMALLEST_KV_BUCKET = 256
 
 
-def batch_buckets(max_num_seqs: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> tuple[int, ...]:
-    return tuple(b for b in buckets if b < max_num_seqs) + (max_num_seqs,)
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    return tuple(b for b in BATCH_BUCKETS if b < max_num_seqs) + (max_num_seqs,)
 
 
 def kv_buckets(max_len: int, smallest: int = SMALLEST_KV_BUCKET) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from omniloop.gpu.cuda_graphs import CODEC_BATCH_BUCKETS, batch_buckets, pick
+from omniloop.gpu.cuda_graphs import batch_buckets, pick
 from omniloop.models.qwen3_tts.speech_decoder import SpeechDecoder
 
 FRAME_BUCKETS = (1, 2, 4, 8, 16, 25, 32)  # the codec scheduler's chunks: 1-2 first, doubling to 25
@@ -95,7 +95,7 @@ class CodecStreams:
         self._free = list(range(self.capacity, SCRATCH, -1))
         self.device = self._pool.pos.device
         use_graphs = self.device.type == "cuda" if graphs is None else graphs
-        self._graphs = _StepGraphs(self, batch_buckets(max_streams, CODEC_BATCH_BUCKETS)) if use_graphs else None
+        self._graphs = _StepGraphs(self, batch_buckets(max_streams)) if use_graphs else None
 
     @property
     def capacity(self) -> int:
