@@ -13,7 +13,9 @@ stream, so sharing is safe.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -44,6 +46,23 @@ def pick(buckets: tuple[int, ...], need: int) -> int:
     return buckets[i]
 
 
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """The cyclic garbage collector held off (for the span of a graph capture). A collection that runs inside a
+    capture (any allocation of Python objects may trigger one) can destroy a dead CUDA graph (the codec's step
+    graphs and their streams reference each other, so only the collector frees them), and releasing that
+    graph's memory pool while a stream captures invalidates the capture: the H200 showed
+    ``cudaErrorStreamCaptureInvalidated`` in a codec capture after earlier tests had dropped their streams,
+    and not when that test ran alone."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def capture(fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream,
             pool: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Run ``fn`` once on ``stream`` (warm-up: lazy library init must not happen inside a capture), then
@@ -52,7 +71,7 @@ def capture(fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream,
         fn()
     graph = torch.cuda.CUDAGraph()
     # thread_local: another stage placed as a thread of this process may use CUDA meanwhile
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+    with no_gc(), torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         out = fn()
     return graph, out
 
