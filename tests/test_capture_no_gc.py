@@ -35,3 +35,32 @@ def test_every_capture_site_holds_the_collector_off() -> None:
     for fn in (cuda_graphs.capture, speech_stream._StepGraphs._capture):
         src = inspect.getsource(fn)
         assert "torch.cuda.graph(" in src and "with no_gc(), torch.cuda.graph(" in src, fn.__qualname__
+
+
+
+def test_dropped_codec_streams_free_their_graphs_without_the_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams and their step graphs form no reference cycle: dropping the streams frees both at once, so a
+    dead graph never waits for a collection (which could come inside another capture). The real constructor
+    runs; only its CUDA pool handle and side stream are stood in for on CPU."""
+    import weakref
+
+    import torch
+
+    from omniloop.gpu.cuda_graphs import batch_buckets
+    from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
+    from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 0))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: object())
+    dec = SpeechTokenizer.load(ensure_tiny_checkpoint("custom_voice"), device="cpu", dtype=torch.float32,
+                               load_format="dummy", with_encoder=False, seed=3).decoder
+    streams = speech_stream.CodecStreams(dec, max_streams=4, initial_slots=4, graphs=False)
+    streams._graphs = speech_stream._StepGraphs(streams, batch_buckets(4))
+    alive_streams, alive_graphs = weakref.ref(streams), weakref.ref(streams._graphs)
+    gc.collect()
+    gc.disable()
+    try:
+        del streams
+        assert alive_streams() is None and alive_graphs() is None
+    finally:
+        gc.enable()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -268,7 +269,9 @@ class _StepGraphs:
     (copied out) before the next replay, so sharing is safe."""
 
     def __init__(self, streams: CodecStreams, batch: tuple[int, ...]) -> None:
-        self.streams, self.batch = streams, batch
+        # a weak reference: the streams own these graphs, and a cycle between them would leave dropped streams'
+        # graphs (and their memory pool) to the cyclic collector, which may run inside another capture
+        self.streams, self.batch = weakref.proxy(streams), batch
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor, Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
         # one side stream for every warm-up and capture: the caching allocator keeps freed blocks per stream, so
