@@ -211,3 +211,31 @@ def test_next_wakeup_is_when_a_held_back_chunk_becomes_urgent():
     clock.now = wake + 1e-6
     assert sizes(sched.schedule()) == [("a", 3)]  # and then the held frames go
     assert sched.next_wakeup() is None  # nothing held back any more
+
+
+def _buffered_stream(clock: Clock):
+    """A scheduler with stream "b" playing 0.48 s of audio at ``clock.now`` and a full 8-frame chunk waiting."""
+    sched = make(clock, initial_frames=2, frames=8, urgent_s=0.4)
+    send(sched, "b", 0, 6)
+    for want in ([("b", 2)], [("b", 4)]):
+        plan = sched.schedule()
+        assert sizes(plan) == want
+        sched.update(plan, decode(plan))  # 6 frames played by now: 0.48 s buffered, more than urgent_s
+    send(sched, "b", 6, 8)
+    return sched
+
+
+def test_a_first_chunk_does_not_wait_for_full_chunks_of_buffered_streams():
+    clock = Clock()
+    alone = _buffered_stream(clock)
+    assert sizes(alone.schedule()) == [("b", 8)]  # nothing new: the full chunk goes as always
+    sched = _buffered_stream(clock)
+    send(sched, "a", 0, 1)  # a new request's first frame
+    first = sched.schedule()
+    assert sizes(first) == [("a", 1)] and first.seqs[0].is_first  # its own step: its PCM leaves at once
+    assert sizes(sched.schedule()) == [("b", 8)]  # the buffered stream's chunk goes in the next step
+    # a stream that is itself urgent rides along with the first chunk
+    sched = _buffered_stream(clock)
+    clock.now += 0.1  # b holds 0.38 s now: urgent
+    send(sched, "a", 0, 1)
+    assert sorted(sizes(sched.schedule())) == [("a", 1), ("b", 8)]

@@ -6,7 +6,9 @@ whose client has less than ``urgent_s`` of audio buffered (every request before 
 decoded with whatever frames it has (at least 1); the others wait for a full chunk, because a step's
 cost grows far slower than its frames (64 streams x 1 frame costs a third of 64 x 8 on an H200) and the
 codec shares the GPU with the talker. Under contention requests nearest to running dry go first, and
-``max_frames_per_step`` caps a step.
+``max_frames_per_step`` caps a step. A step that carries a first chunk carries only urgent requests: a step's
+PCM leaves when its last row is decoded, so first audio must not wait for full chunks of streams that still
+have more than ``urgent_s`` buffered (they go in the next step, which may be in flight at the same time).
 
 Decoder state (sliding-window cache, conv tails) lives in the runner per slot and steps run in
 stream order, so a request may be scheduled again while its previous step is still in flight.
@@ -132,12 +134,16 @@ class CodecScheduler:
         plan = CodecStepPlan(step_id=self._next_step_id, seqs=[])
         reqs: list[CodecRequest] = []
         ready = [req for req in self._reqs.values() if req.num_available]
+        first_audio = False  # the step carries a chunk of a request that has played nothing yet
         for req in by_deadline(ready, now):
             if budget == 0:
                 break
             size = self._chunk_size(req)
             if req.final_reason is None and req.num_available < self._min_frames(req, size, now):
                 continue
+            waits_for_first = req.playback.first_audio_at is None
+            if first_audio and not waits_for_first and now < self._urgent_at(req):
+                continue  # well buffered: next step, so this step's first audio leaves without waiting for it
             if req.slot < 0:
                 slot = self._slots.acquire()
                 if slot is None:
@@ -156,6 +162,7 @@ class CodecScheduler:
             reqs.append(req)
             req.num_steps += 1
             budget -= num_frames
+            first_audio |= waits_for_first
         if not plan.seqs:
             return None
         self._next_step_id += 1
