@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from omniloop.gpu.cuda_graphs import capture
+from omniloop.gpu.host_copy import to_device
 from omniloop.gpu.talker_state import TalkerState
 
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
@@ -98,7 +99,7 @@ class PrefillGraphs:
         slots[:len(pieces)] = starts_zero_slots
         dest = host[rows * tokens + rows:]
         dest[:] = np.repeat(np.arange(len(pieces), dtype=np.int64) * tokens - offsets, lens) + np.arange(total)
-        dev = torch.from_numpy(host).pin_memory().to(self._pos.device, non_blocking=True)
+        dev = to_device(host, self._pos.device)
         self._pos[:rows * tokens].copy_(dev[:rows * tokens])
         self._slots[:rows].copy_(dev[rows * tokens:rows * tokens + rows])
         self._x.index_copy_(0, dev[rows * tokens + rows:], torch.cat(pieces).to(self._x.dtype))

@@ -23,6 +23,7 @@ import torch
 
 from omniloop.actors.doorway import Doorway
 from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets, kv_buckets
+from omniloop.gpu.host_copy import to_device
 from omniloop.gpu.kv_budget import module_bytes, size_talker_kv
 from omniloop.gpu.observer import CudaObserver
 from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, PrefillGraphs
@@ -66,14 +67,8 @@ class TalkerSteps:
         self.failed: dict[int, str] = {}
 
     def _h2d(self, array: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``array`` on the device (into ``out`` if given). On CUDA through pinned memory: the caching
-        host allocator keeps the pinned block until the copy has run."""
-        t = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        if out is not None:
-            return out.copy_(t, non_blocking=True)
-        return t.to(self.device, non_blocking=True)
+        """``array`` on the device (into ``out`` if given), never waiting for the step in flight."""
+        return to_device(array, self.device, out)
 
     @torch.no_grad()
     def run(self, plan: ArStepPlan) -> tuple[torch.Tensor, dict[int, dict[str, np.ndarray]] | None,

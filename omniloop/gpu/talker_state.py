@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from omniloop.gpu.host_copy import to_device
 from omniloop.models.qwen3_tts.generate import GREEDY
 from omniloop.models.qwen3_tts.sampling import SamplingParams, sample_code0
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel, TalkerCache
@@ -100,10 +101,7 @@ class TalkerState:
                 host[2 + i] = np.asarray(values, dtype=np.int64)
         starts = np.repeat(np.asarray(slots, dtype=np.int64) * cache.trailing.shape[1], lengths)
         positions = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        dev = torch.from_numpy(np.concatenate((host.reshape(-1), starts + positions)))
-        if self.step.device.type == "cuda":
-            dev = dev.pin_memory()
-        dev = dev.to(self.step.device, non_blocking=True)
+        dev = to_device(np.concatenate((host.reshape(-1), starts + positions)), self.step.device)
         block, trailing_rows = dev.split((host.size, starts.shape[0]))
         block = block.view(host.shape)
         index = block[0]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from omniloop.gpu.host_copy import to_device
 from omniloop.models.qwen3_tts.config import TtsConfig
 from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 
@@ -195,14 +196,6 @@ def _check_ref_codes(cfg: TtsConfig, rows: dict[int, _Rows], out: list) -> np.nd
     return codes[keep]
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # through pinned memory: a pageable host-to-device copy would wait for the step in flight on the stream
-    # (the caching host allocator keeps the pinned block until the copy has run)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 @torch.no_grad()
 def build_prompts(model: Qwen3TtsModel, reqs: list[TtsInput]) -> list[Prompt | Exception]:
     """The prompts of ``reqs``, in a number of torch ops that does not grow with ``len(reqs)``: the rows are
@@ -232,14 +225,14 @@ def build_prompts(model: Qwen3TtsModel, reqs: list[TtsInput]) -> list[Prompt | E
     xvec_rows, frame_rows = np.flatnonzero(codec == _XVEC), np.flatnonzero(codec == _FRAME)
     host = (distinct, index, codec_rows, codec[codec_rows], xvec_rows, frame_rows, codes.reshape(-1))
     device, dtype = model.device, model.dtype
-    dev = _to_device(torch.from_numpy(np.concatenate(host)), device).split([a.shape[0] for a in host])
+    dev = to_device(np.concatenate(host), device).split([a.shape[0] for a in host])
     distinct_d, index_d, codec_rows_d, codec_ids_d, xvec_rows_d, frame_rows_d, codes_d = dev
     table = torch.cat((model.special_embeds(), model.text_embed(distinct_d)))
     codec_part = torch.zeros(text.shape[0], table.shape[1], dtype=dtype, device=device)
     codec_part.index_copy_(0, codec_rows_d, model.codec_embed(codec_ids_d))
     if xvec_rows.size:
         x_vectors = torch.stack([rows[i].x_vector for i in good if rows[i].x_vector is not None])
-        codec_part.index_copy_(0, xvec_rows_d, _to_device(x_vectors, device).to(dtype))
+        codec_part.index_copy_(0, xvec_rows_d, to_device(x_vectors, device).to(dtype))
     if frame_rows.size:
         codec_part.index_copy_(0, frame_rows_d, model.frame_embed(codes_d.view(-1, codes.shape[1])))
     # T + C; rows without a codec part add zeros, which leaves T unchanged
