@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker]      (default: tests bench)
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [gemm]      (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
 # the tree is (the copy has no .git). Each part prints its own summary line(s).
@@ -28,6 +28,8 @@ for part in "${parts[@]}"; do
       grep '^{"concurrency"' "$out/trace-$commit.txt" ;;
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
-    *) echo "unknown part $part (tests, bench, trace, talker)"; exit 2 ;;
+    gemm)
+      python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, gemm)"; exit 2 ;;
   esac
 done
