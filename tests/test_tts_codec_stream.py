@@ -31,7 +31,10 @@ def assert_close(streamed: np.ndarray, one_shot: np.ndarray) -> None:
     assert streamed.shape == one_shot.shape  # no lost or duplicated samples
     if streamed.dtype == np.float64:
         assert np.abs(streamed - one_shot).max() < 1e-10
-    else:  # the float32 noise floor of this tiny random decoder (ours vs the reference: ~1.2e-5)
+    else:  # the float32 noise floor of this tiny random decoder (ours vs the reference: ~1.2e-5). Measured:
+        # the one-shot and the streamed decode are each ~1.1e-5 from the float64 result and ~1.1e-5 apart; the
+        # difference starts at 3e-8 after the transformer and grows ~1.3x per conv layer (shape-dependent
+        # rounding in every conv), so no single layer causes it; float64 (above) is exact
         assert np.linalg.norm(streamed - one_shot) / np.linalg.norm(one_shot) < 5e-5
         assert np.abs(streamed - one_shot).max() < 1e-4
 
