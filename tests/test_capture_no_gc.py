@@ -32,9 +32,10 @@ def test_no_gc_disables_inside_and_restores() -> None:
 
 
 def test_every_capture_site_holds_the_collector_off() -> None:
-    for fn in (cuda_graphs.capture, speech_stream._StepGraphs._capture):
-        src = inspect.getsource(fn)
-        assert "torch.cuda.graph(" in src and "with no_gc(), torch.cuda.graph(" in src, fn.__qualname__
+    assert "with no_gc(), torch.cuda.graph(" in inspect.getsource(cuda_graphs.capture)
+    # the codec's step graphs go through that one capture, not a torch.cuda.graph of their own
+    codec = inspect.getsource(speech_stream._StepGraphs._capture)
+    assert "capture(" in codec and "torch.cuda.graph(" not in codec
 
 
 

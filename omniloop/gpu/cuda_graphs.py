@@ -49,11 +49,11 @@ def pick(buckets: tuple[int, ...], need: int) -> int:
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """The cyclic garbage collector held off (for the span of a graph capture). A collection that runs inside a
-    capture (any allocation of Python objects may trigger one) can destroy a dead CUDA graph (the codec's step
-    graphs and their streams reference each other, so only the collector frees them), and releasing that
-    graph's memory pool while a stream captures invalidates the capture: the H200 showed
-    ``cudaErrorStreamCaptureInvalidated`` in a codec capture after earlier tests had dropped their streams,
-    and not when that test ran alone."""
+    capture (any allocation of Python objects may trigger one) can destroy a dead CUDA graph held in a
+    reference cycle (the codec's step graphs and their streams were one, before the graphs held the streams
+    weakly), and releasing that graph's memory pool while a stream captures invalidates the capture: the H200
+    showed ``cudaErrorStreamCaptureInvalidated`` in a codec capture after earlier tests had dropped their
+    streams, and not when that test ran alone."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -65,8 +65,9 @@ def no_gc() -> Iterator[None]:
 
 def capture(fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream,
             pool: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Run ``fn`` once on ``stream`` (warm-up: lazy library init must not happen inside a capture), then
-    capture it into a graph on ``pool``; returns the graph and its output."""
+    """Run ``fn`` once on ``stream`` (warm-up: lazy library init and cuDNN's algorithm choice must not happen
+    inside a capture), then capture it into a graph on ``pool``, the collector held off; returns the graph and
+    its output. Every CUDA graph of the project (talker frames, prefill, codec steps) is captured here."""
     with torch.cuda.stream(stream):
         fn()
     graph = torch.cuda.CUDAGraph()

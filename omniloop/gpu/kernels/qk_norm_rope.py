@@ -84,11 +84,12 @@ def _norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, out_ptr, x_stride
 BLOCK_FROM = 512  # calls over at least this many tokens (prefill) give each program a block of tokens
 
 
-def _grid(num_tokens: int, heads: int) -> tuple[tuple[int, int], int]:
-    """(grid, tokens per program): one token per program for decode-sized calls (many programs, each light),
-    16 for prefill-sized ones (a program per token and head of a 5,120-token prefill was ~100 us a layer)."""
+def _grid(num_tokens: int, heads: int) -> tuple[tuple[int, int], int, int]:
+    """(grid, tokens per program, warps): one token per program and one warp for decode-sized calls (many
+    programs, each light), 16 tokens and 4 warps for prefill-sized ones (a program per token and head of a
+    5,120-token prefill was ~100 us a layer)."""
     t = 16 if num_tokens >= BLOCK_FROM else 1
-    return (triton.cdiv(num_tokens, t), heads), t
+    return (triton.cdiv(num_tokens, t), heads), t, 1 if t == 1 else 4
 
 
 def _launch(x: torch.Tensor, x_stride: int, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor,
@@ -96,10 +97,10 @@ def _launch(x: torch.Tensor, x_stride: int, wq: torch.Tensor, wk: torch.Tensor, 
     """Queries and keys only: every head of ``out`` ``[B, L, heads, D]`` (the first ``num_q_heads`` queries,
     the rest keys) is read from token row ``t`` of x at ``t * x_stride + head * D``, normalized and rotated."""
     b, n, heads, d = out.shape
-    grid, t = _grid(b * n, heads)
+    grid, t, warps = _grid(b * n, heads)
     _norm_rope_kernel[grid](x, wq, wk, cos, sin_folded, out, x_stride, num_q_heads, heads - num_q_heads, heads,
                             cos.shape[0], eps, None, None, None, None, 0, 1, 0, 0, 0, 0, 0, b * n,
-                            D=d, TO_CACHE=False, KEEP_K=False, T=t, num_warps=1 if t == 1 else 4)
+                            D=d, TO_CACHE=False, KEEP_K=False, T=t, num_warps=warps)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
@@ -160,10 +161,10 @@ def qk_norm_rope_cache(qkv: torch.Tensor, num_q_heads: int, num_k_heads: int, wq
         raise ValueError(f"{b} rows but only {k_cache.shape[0]} cache slots")
     out_heads = num_q_heads + (num_k_heads if keep_keys else 0)
     q = torch.empty((b, n, out_heads, d), dtype=qkv.dtype, device=qkv.device)
-    grid, t = _grid(b * n, num_q_heads + 2 * num_k_heads)
+    grid, t, warps = _grid(b * n, num_q_heads + 2 * num_k_heads)
     _norm_rope_kernel[grid](
         qkv, wq, wk, cos, sin_folded, q, width, num_q_heads, num_k_heads, out_heads, cos.shape[0], eps,
         k_cache, v_cache, pos, slots, start, n, k_cache.shape[0], k_cache.shape[2], k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), b * n, D=d, TO_CACHE=True, KEEP_K=keep_keys, T=t,
-        num_warps=1 if t == 1 else 4)
+        num_warps=warps)
     return q

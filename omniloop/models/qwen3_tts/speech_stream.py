@@ -19,7 +19,6 @@ final samples, nothing is held back.
 
 from __future__ import annotations
 
-import gc
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from omniloop.gpu.cuda_graphs import batch_buckets, no_gc, pick
+from omniloop.gpu.cuda_graphs import batch_buckets, capture, pick
 from omniloop.models.qwen3_tts.speech_decoder import SpeechDecoder
 
 FRAME_BUCKETS = (1, 2, 4, 8, 16, 25, 32)  # the codec scheduler's chunks: 1-2 first, doubling to 25
@@ -298,7 +297,6 @@ class _StepGraphs:
         # largest first: the graphs share one memory pool, and smaller captures can then reuse (split) the
         # blocks a larger one freed. Captured smallest first, 47 graphs of the 1.7B decoder reserved 56 GiB
         # on the H200; the effect of this order there is not measured yet.
-        gc.collect()  # dead graphs (of streams dropped earlier) are freed now, not inside a capture
         top = pick(FRAME_BUCKETS, min(max_frames, FRAME_BUCKETS[-1]))
         shapes = [(r, f) for r in self.batch for f in FRAME_BUCKETS if r * f <= max_rows_x_frames and f <= top]
         for rows, frames in sorted(shapes, key=lambda rf: (rf[0] * rf[1], rf), reverse=True):
@@ -336,13 +334,7 @@ class _StepGraphs:
         inp = torch.zeros(rows * frames * s.decoder.cfg.num_quantizers + 2 * rows, dtype=torch.int64,
                           device=s.device)
         args = s._split(inp, rows, frames)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(s.device))
-        with torch.cuda.stream(stream):
-            s._run(*args)  # warm-up: library init and algorithm choice must not happen inside a capture
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the process (another stage's runner) may use CUDA meanwhile
-        with no_gc(), torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = s._run(*args)
-        torch.cuda.current_stream(s.device).wait_stream(stream)
+        self._stream.wait_stream(torch.cuda.current_stream(s.device))  # the zeros above first
+        graph, out = capture(lambda: s._run(*args), self._stream, self._pool)
+        torch.cuda.current_stream(s.device).wait_stream(self._stream)
         return graph, inp, out
