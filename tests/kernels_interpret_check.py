@@ -14,6 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from omniloop.gpu.kernels.add_rms_norm import add_rms_norm  # noqa: E402
 from omniloop.gpu.kernels.decode_attention import decode_attention  # noqa: E402
+from omniloop.gpu.kernels.fused_linear import fused_linear  # noqa: E402
 from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache  # noqa: E402
 from omniloop.gpu.kernels.silu_mul import silu_mul  # noqa: E402
 from omniloop.gpu.kernels.sampler import sample_rows  # noqa: E402
@@ -431,6 +432,84 @@ def check_fused_stack() -> None:
         assert got.shape == want.shape and err < rel, (dtype, float(err))
 
 
+def check_fused_linear() -> None:
+    """Each mode of the decode matmul against its torch formula: float32 to rounding, float16 (the interpreter
+    has no bfloat16 matmul) to the output's rounding; rows, columns and K not multiples of the tiles, a
+    strided input; and a row's bits do not depend on the other rows of the call (batch invariance)."""
+    torch.manual_seed(12)
+    eps = 1e-6
+    for dtype, tol in ((torch.float32, 2e-5), (torch.float16, 4e-3)):
+        for m, k, n in ((5, 48, 40), (70, 200, 96), (130, 64, 24)):
+            a = (torch.randn(m, 2 * k) * 2).to(dtype)[:, :k]  # rows strided, as a slice
+            w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+            w2 = (torch.randn(2 * n, k) / k ** 0.5).to(dtype)
+            g = (torch.rand(k) + 0.5).to(dtype)
+            r = (torch.randn(m, n) * 4).to(dtype)
+            normed = F.rms_norm(a.float(), (k,), g.float(), eps)
+            gate_up = F.linear(normed, w2.float())
+            cases = {
+                "plain": (fused_linear(a, w), F.linear(a.float(), w.float())),
+                "norm": (fused_linear(a, w, norm=(g, eps)), F.linear(normed, w.float())),
+                "silu": (fused_linear(a, w2, norm=(g, eps), silu=True), F.silu(gate_up[:, :n]) * gate_up[:, n:]),
+                "residual": (fused_linear(a, w, residual=r), r.float() + F.linear(a.float(), w.float())),
+            }
+            for mode, (got, want) in cases.items():
+                assert got.shape == want.shape and got.dtype == dtype, (mode, got.shape, want.shape)
+                err = (got.float() - want).abs().max() / want.abs().max()
+                assert err < tol, (dtype, m, mode, float(err))
+            alone = fused_linear(a[3:4], w2, norm=(g, eps), silu=True)
+            assert torch.equal(alone, cases["silu"][0][3:4]), (dtype, m)  # same bits alone as in the batch
+    for bad in (lambda: fused_linear(torch.randn(2, 8), torch.randn(4, 9)),
+                lambda: fused_linear(torch.randn(2, 8), torch.randn(5, 8), silu=True),
+                lambda: fused_linear(torch.randn(2, 8), torch.randn(4, 8), residual=torch.randn(2, 5))):
+        try:
+            bad()
+        except ValueError:
+            continue
+        raise AssertionError("a mismatched shape was not refused")
+
+
+def check_fused_linear_stack() -> None:
+    """``DecoderStack._forward_fused_linear`` (every projection through the fused matmul, q/k norm+rope with
+    the KV write and decode attention through their kernels, as on CUDA) computes the reference forward and
+    writes the same cache: the code predictor's steps (shared start, one or two tokens) and the talker's
+    decode (per-row positions and slots, a scratch row among them). float32 to rounding, float16 to a few
+    units in the last place. Every norm has its own weight, so a norm applied in the wrong place fails."""
+    cfg = DecoderConfig(vocab_size=32, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
+    torch.manual_seed(13)
+    max_len = 12
+    stack = DecoderStack(cfg)
+    for norm in (m for m in stack.modules() if isinstance(m, RMSNorm)):
+        norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5
+    decode = torch.tensor([[4], [max_len], [0]])
+    cases = [(2, 0, None, 2), (1, 2, None, 3), (1, decode, None, 8), (1, decode, torch.tensor([2, 0, 3]), 8)]
+    for dtype, rel in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
+        stack.to(dtype)
+        stack.fuse()  # after the cast: fused weights are views of the parameters as they are now
+        cos_table, _, folded_table = stack.rope.table(max_len + 1, dtype)
+        for n, positions, slots, kv_len in cases:
+            x = torch.randn(3, n, cfg.hidden_size).to(dtype)
+            cache = torch.randn(2, cfg.num_layers, 4, cfg.num_kv_heads, max_len + 1, cfg.head_dim).to(dtype)
+            with torch.no_grad():
+                want_k, want_v = cache.clone()
+                want = stack(x.float().to(dtype), positions, want_k, want_v, slots, kv_len)
+                step = stack._step(x, positions, cache[0], slots, kv_len)
+                at = (torch.arange(positions, positions + n) if isinstance(positions, int)
+                      else positions.clamp(max=max_len).reshape(-1))
+                lengths = kv_len if isinstance(positions, int) else positions[:, 0] + 1
+                step = dataclasses.replace(step, rows=(cos_table[at], folded_table[at]), decode_lengths=lengths,
+                                           mask=None)
+                k_cache, v_cache = cache.clone()
+                got = stack._forward_fused_linear(x, k_cache, v_cache, step)
+            err = (got.float() - want.float()).norm() / want.float().norm()
+            assert got.shape == want.shape and err < rel, (dtype, n, float(err))
+            for have, ref in ((k_cache, want_k), (v_cache, want_v)):
+                kv_err = (have.float() - ref.float()).norm() / ref.float().norm()
+                assert kv_err < rel, (dtype, n, float(kv_err))
+
+
 def check_snake() -> None:
     """SnakeBeta's kernel in both layouts: NCL ([B, C, T], contiguous along T) and channels-last ([B, C, T]
     stored [B, T, C], as the CUDA decoder keeps its activations), read from a strided slice (a transposed
@@ -467,5 +546,7 @@ if __name__ == "__main__":
     check_decode_attention()
     check_add_rms_norm()
     check_fused_stack()
+    check_fused_linear()
+    check_fused_linear_stack()
     check_snake()
     print("kernels ok")

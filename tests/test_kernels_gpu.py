@@ -435,3 +435,73 @@ def test_stack_with_decode_attention_kernel_matches_sdpa(monkeypatch: pytest.Mon
         assert torch.equal(out[True][1], out[False][1]) and torch.equal(out[True][2], out[False][2]), name
         err = ((out[True][0] - out[False][0]).norm() / out[False][0].norm()).item()
         assert err < 1e-2, (name, err)
+
+
+@torch.no_grad()
+def test_fused_linear_matches_torch_and_is_batch_invariant() -> None:
+    """The decode matmul with its norm / SiLU*up / residual against torch's bf16 ops on the shapes of
+    Qwen3-TTS-1.7B (talker 2048 -> 4096 / 6144, code predictor 1024 -> 4096 / 3072 and back) at 1, 64 and 128
+    rows, and a row's bits the same alone as in a batch of 64 (tiles follow N and K only)."""
+    from omniloop.gpu.kernels.fused_linear import fused_linear
+
+    torch.manual_seed(3)
+    eps, dev, bf = 1e-6, "cuda", torch.bfloat16
+    for k, n_qkv, inter in ((2048, 4096, 6144), (1024, 4096, 3072)):
+        g = (torch.rand(k, device=dev) + 0.5).to(bf)
+        w_qkv = (torch.randn(n_qkv, k, device=dev) / k ** 0.5).to(bf)
+        w_gu = (torch.randn(2 * inter, k, device=dev) / k ** 0.5).to(bf)
+        w_down = (torch.randn(k, inter, device=dev) / inter ** 0.5).to(bf)
+        for m in (1, 64, 128):
+            x = torch.randn(m, k, device=dev).to(bf)
+            act_in = torch.randn(m, inter, device=dev).to(bf)
+            normed = torch.nn.functional.rms_norm(x, (k,), g, eps)
+            gu = torch.nn.functional.linear(normed, w_gu)
+            cases = {
+                "qkv": (fused_linear(x, w_qkv, norm=(g, eps)), torch.nn.functional.linear(normed, w_qkv)),
+                "gate_up": (fused_linear(x, w_gu, norm=(g, eps), silu=True),
+                            torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]),
+                "down": (fused_linear(act_in, w_down, residual=x), x + torch.nn.functional.linear(act_in, w_down)),
+            }
+            for name, (got, want) in cases.items():
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                assert err < 1e-2, (k, m, name, err)
+            if m == 64:
+                for name, alone in (("qkv", fused_linear(x[9:10], w_qkv, norm=(g, eps))),
+                                    ("gate_up", fused_linear(x[9:10], w_gu, norm=(g, eps), silu=True)),
+                                    ("down", fused_linear(act_in[9:10], w_down, residual=x[9:10]))):
+                    assert torch.equal(alone, cases[name][0][9:10]), (k, name)
+
+
+@torch.no_grad()
+def test_stack_with_fused_linear_matches_the_fused_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FUSED_LINEAR`` on: the bf16 stack's decode-sized calls (talker decode with slots, the code
+    predictor's steps) run ``_forward_fused_linear`` and match the path it replaces to bf16 rounding, caches
+    included; a prefill (not decode-sized) keeps the old path."""
+    from omniloop.models.qwen3_tts import layers
+
+    cfg, stack = _tiny_stack(torch.bfloat16)
+    runs = []
+    real = layers.DecoderStack._forward_fused_linear
+    monkeypatch.setattr(layers.DecoderStack, "_forward_fused_linear", lambda *a: runs.append(1) or real(*a))
+    h, max_len, dev = cfg.hidden_size, 40, "cuda"
+    k, v = (torch.randn(cfg.num_layers, 6, cfg.num_kv_heads, max_len + 1, cfg.head_dim, device=dev,
+                        dtype=torch.bfloat16) for _ in range(2))
+    x = torch.randn(4, 2, h, device=dev, dtype=torch.bfloat16)
+    decode_pos = torch.tensor([[7], [max_len], [30], [0]], device=dev)
+    calls_of = {  # name: (x, positions, slots, kv_len, decode-sized)
+        "decode slots": (x[:, :1], decode_pos, torch.tensor([5, 0, 2, 3], device=dev), 32, True),
+        "cp first": (x, 0, None, 2, True),
+        "cp step": (x[:, :1], 9, None, 10, True),
+        "prefill": (x, torch.tensor([[3, 4]] * 4, device=dev), None, 5, False),
+    }
+    for name, (inp, positions, slots, kv_len, decode_sized) in calls_of.items():
+        out = {}
+        for fused in (True, False):
+            monkeypatch.setattr(layers, "FUSED_LINEAR", fused)
+            runs.clear()
+            kc, vc = k.clone(), v.clone()
+            out[fused] = (stack(inp, positions, kc, vc, slots, kv_len).float(), kc.float(), vc.float())
+            assert len(runs) == (1 if fused and decode_sized else 0), name
+        for got, want in zip(out[True], out[False]):
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-2, (name, err)

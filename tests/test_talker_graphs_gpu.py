@@ -129,3 +129,20 @@ def test_prefill_graphs_equal_the_eager_prefill_float32(monkeypatch: pytest.Monk
     for job in _jobs():
         assert torch.equal(graphed[job.req_id], eager[job.req_id]), job.req_id
         assert torch.equal(graphed[job.req_id], _expected(job.inp, model)), job.req_id
+
+
+def test_fused_linear_graphs_are_deterministic_and_track_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``FUSED_LINEAR`` on, the captured frame (talker decode + code predictor loop through the fused
+    matmuls) replays deterministically and its first frames equal the eager run of the same kernels (the
+    kernel's own batch invariance is ``test_kernels_gpu.py``'s; the prefill and heads here stay cuBLAS)."""
+    from omniloop.models.qwen3_tts import layers
+
+    monkeypatch.setattr(layers, "FUSED_LINEAR", True)
+    model = _cuda_model(torch.bfloat16)
+    kw = dict(model=model, device="cuda", graph_buckets=BUCKETS)
+    one = _run(_jobs(), 8, MAX_LEN, use_cuda_graphs=True, **kw)
+    two = _run(_jobs(), 8, MAX_LEN, use_cuda_graphs=True, **kw)
+    eager = _run(_jobs(), 8, MAX_LEN, use_cuda_graphs=False, **kw)
+    for job in _jobs():
+        assert torch.equal(one[job.req_id], two[job.req_id])
+        assert torch.equal(one[job.req_id][0], eager[job.req_id][0])

@@ -298,12 +298,21 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="*", help="only prefill plans of BxL, e.g. 1x120 36x120")
     parser.add_argument("--no-prefill-graphs", action="store_true", help="--prefill: the eager prefill")
     parser.add_argument("--kernels", action="store_true", help="also list the kernels of one frame by launches")
+    parser.add_argument("--fused-linear", action="store_true",
+                        help="decode-sized projections through gpu/kernels/fused_linear.py (layers.FUSED_LINEAR)")
+    parser.add_argument("--linear-tiles", help="with --fused-linear: BLOCK_N,BLOCK_K,stages,warps for every call")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_fused_norm_rope:
         layers.FUSED_NORM_ROPE = False
     if args.no_fused_decode_attention:
         layers.FUSED_DECODE_ATTENTION = False
+    if args.fused_linear:
+        layers.FUSED_LINEAR = True
+    if args.linear_tiles:
+        from omniloop.gpu.kernels import fused_linear
+
+        fused_linear.TILE_OVERRIDE = tuple(int(v) for v in args.linear_tiles.split(","))
     torch.manual_seed(0)
     configure_cuda_stage()  # as every GPU stage of the engine runs (cuDNN attention off)
     cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))  # the released 1.7B shapes
@@ -314,6 +323,7 @@ def main() -> None:
                 p.normal_(0.0, 0.02)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"fused norm+rope {layers.FUSED_NORM_ROPE}, fused decode attention {layers.FUSED_DECODE_ATTENTION}, "
+          f"fused linear {layers.FUSED_LINEAR} (tiles {args.linear_tiles or 'default'}), "
           f"talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
     if args.compile or args.sampling or args.prefill:
         if args.prefill:

@@ -18,6 +18,7 @@ the reference's exact float32 formulas.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,12 @@ FUSED_ADD_NORM = True
 # tokens, shared positions) in one Triton kernel that reads each row's cache up to its own length
 # (``gpu/kernels/decode_attention.py``): no SDPA, no per-step mask; a switch so benchmarks can measure SDPA
 FUSED_DECODE_ATTENTION = True
+# CUDA bf16/fp16 decode-sized calls (the talker's decode step, the code predictor's steps): each projection one
+# Triton matmul with the norm before it / the SiLU*up / the residual add after it in the same launch
+# (``gpu/kernels/fused_linear.py``; ``DecoderStack._forward_fused_linear``): six launches per layer instead of
+# nine or ten. Off until measured against cuBLAS on the H200 (``tools/bench_talker.py --fused-linear``);
+# ``OMNILOOP_FUSED_LINEAR=1`` turns it on for a whole run
+FUSED_LINEAR = os.environ.get("OMNILOOP_FUSED_LINEAR") == "1"
 
 
 class RMSNorm(nn.Module):
@@ -204,15 +211,19 @@ class Attention(nn.Module):
         values in the cache where ``forward``'s separate writes would: at ``s.start + l`` of slot ``b``, or at
         the per-row write positions ``s.index[2]`` (already clamped to the scratch position) of ``s.slots``.
         With ``s.prefix`` also x's keys and values ``[B, L, kv_heads, D]`` (else None)."""
+        return self._q_writing_kv_of(self._fused_qkv(x), k_cache, v_cache, s)
+
+    def _q_writing_kv_of(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         s: StackStep) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``_q_writing_kv`` from the fused projection's rows ``qkv`` ``[B, L, (heads + 2 * kv_heads) * D]``."""
         from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope_cache
 
         positions = s.start if s.start is not None else s.index[2]
-        qkv = self._fused_qkv(x)
         out = qk_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
                                  self.q_norm.eps, *s.rows, k_cache, v_cache, positions, s.slots, keep_keys=s.prefix)
         if not s.prefix:
             return out, None, None
-        b, n, _ = x.shape
+        b, n, _ = qkv.shape
         v = qkv[..., (self.num_heads + self.num_kv_heads) * self.head_dim:].view(b, n, self.num_kv_heads, self.head_dim)
         return out[:, :, :self.num_heads], out[:, :, self.num_heads:], v
 
@@ -220,28 +231,55 @@ class Attention(nn.Module):
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
         row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
         gathering (a copy)."""
-        b, n, _ = x.shape
         if self._is_fused_path(s) and FUSED_KV_WRITE:
             q, k, v = self._q_writing_kv(x, k_cache, v_cache, s)
         else:
             q, k, v = self._qkv(x, s)
-            if s.start is not None:
-                k_cache[:b, :, s.start:s.start + n] = k.transpose(1, 2)
-                v_cache[:b, :, s.start:s.start + n] = v.transpose(1, 2)
-            else:
-                k_cache.index_put_(s.index, k.transpose(1, 2))
-                v_cache.index_put_(s.index, v.transpose(1, 2))
+            self._write_kv(k, v, k_cache, v_cache, s)
+        return self.o_proj(self._attend(q, k, v, k_cache, v_cache, s))
+
+    def attend_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   s: StackStep) -> torch.Tensor:
+        """``forward`` from the fused projection's rows ``qkv`` ``[B, L, (heads + 2 * kv_heads) * D]`` (computed
+        by the caller), up to but not including ``o_proj``: returns ``[B, L, heads * D]``."""
+        b, n, _ = qkv.shape
+        if self._is_fused_path(s) and FUSED_KV_WRITE:
+            q, k, v = self._q_writing_kv_of(qkv, k_cache, v_cache, s)
+        else:
+            hd, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
+            q = s.norm_rope(qkv[..., :h * hd].view(b, n, h, hd), self.q_norm)
+            k = s.norm_rope(qkv[..., h * hd:(h + kv) * hd].view(b, n, kv, hd), self.k_norm)
+            v = qkv[..., (h + kv) * hd:].view(b, n, kv, hd)
+            self._write_kv(k, v, k_cache, v_cache, s)
+        return self._attend(q, k, v, k_cache, v_cache, s)
+
+    @staticmethod
+    def _write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  s: StackStep) -> None:
+        b, n = k.shape[:2]
+        if s.start is not None:
+            k_cache[:b, :, s.start:s.start + n] = k.transpose(1, 2)
+            v_cache[:b, :, s.start:s.start + n] = v.transpose(1, 2)
+        else:
+            k_cache.index_put_(s.index, k.transpose(1, 2))
+            v_cache.index_put_(s.index, v.transpose(1, 2))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
+        """Attention of q ``[B, L, heads, D]`` (x's keys and values already in the cache; ``k``, ``v`` are x's
+        own, needed only by a prefix call) -> ``[B, L, heads * D]``, before ``o_proj``."""
+        b, n = q.shape[:2]
         gqa = self.num_heads != self.num_kv_heads
         if s.prefix:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=gqa)
-            return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+            return out.transpose(1, 2).reshape(b, n, -1)
         if s.decode_lengths is not None:
             from omniloop.gpu.kernels.decode_attention import decode_attention
 
             lengths = None if isinstance(s.decode_lengths, int) else s.decode_lengths
             out = decode_attention(q, k_cache, v_cache, s.kv_len, lengths, s.slots)
-            return self.o_proj(out.view(b, n, -1))
+            return out.view(b, n, -1)
         if s.slots is None:
             keys, values = k_cache[:b, :, :s.kv_len], v_cache[:b, :, :s.kv_len]
         else:
@@ -253,7 +291,7 @@ class Attention(nn.Module):
             # so no key/value repeat and one additive bias row per batch row
             qg = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=s.mask)
-            return self.o_proj(out.reshape(b, 1, -1))
+            return out.reshape(b, 1, -1)
         elif s.fast and gqa:
             # prefill: keys repeated per query head (a small copy), so the masked call can take the memory-
             # efficient kernel; with enable_gqa it could only take cuDNN's (a plan per new shape, ~1 s) or math
@@ -262,7 +300,7 @@ class Attention(nn.Module):
                                                  values.repeat_interleave(groups, 1), attn_mask=s.mask)
         else:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=s.mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return out.transpose(1, 2).reshape(b, n, -1)
 
 
 class MLP(nn.Module):
@@ -381,6 +419,8 @@ class DecoderStack(nn.Module):
             raise ValueError("a prefix call takes per-token positions and kv_len equal to its length")
         step = self._step(x, positions, k_cache, slots, kv_len, prefix)
         if FUSED_ADD_NORM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and len(self.layers):
+            if FUSED_LINEAR and step.decode_lengths is not None and self._linear_fusable(x):
+                return self._forward_fused_linear(x, k_cache, v_cache, step)
             return self._forward_fused(x, k_cache, v_cache, step)
         for i, layer in enumerate(self.layers):
             x = layer(x, k_cache[i], v_cache[i], step)
@@ -398,6 +438,38 @@ class DecoderStack(nn.Module):
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             h, residual = layer.forward_fused(h, residual, k_cache[i], v_cache[i], step, next_norm)
         return h
+
+    def _linear_fusable(self, x: torch.Tensor) -> bool:
+        """A decode-sized call (``fused_linear.MAX_ROWS`` rows at most) on fused weights without biases: what
+        ``_forward_fused_linear`` takes (it checks the fused weights are still current)."""
+        from omniloop.gpu.kernels.fused_linear import MAX_ROWS
+
+        return x.shape[0] * x.shape[1] <= MAX_ROWS and all(
+            lay.self_attn.qkv_weight is not None and lay.mlp.gate_up_weight is not None
+            and lay.self_attn.qkv_bias is None and lay.self_attn.o_proj.bias is None for lay in self.layers)
+
+    def _forward_fused_linear(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              step: StackStep) -> torch.Tensor:
+        """``forward``'s layers carrying the residual stream only, every norm, SiLU*up and residual add inside
+        the matmul next to it (``gpu/kernels/fused_linear.py``): norm+QKV, attention (q/k norm, rope and the
+        KV write as ``Attention`` does them), O+residual, norm+gate/up+SiLU, down+residual; the stack's final
+        norm at the end. The same math as ``_forward_fused`` with the norms applied after the product
+        (``rstd * ((x * g) @ W.T)``), so equal up to rounding. Any device the kernels run on (CPU under
+        ``TRITON_INTERPRET=1`` in the tests)."""
+        from omniloop.gpu.kernels.fused_linear import fused_linear
+
+        residual = x
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            _check_fused(attn.qkv_weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+            _check_fused(mlp.gate_up_weight, mlp.gate_proj.weight, mlp.up_proj.weight)
+            pre, post = layer.input_layernorm, layer.post_attention_layernorm
+            qkv = fused_linear(residual, attn.qkv_weight, norm=(pre.weight, pre.eps))
+            out = attn.attend_qkv(qkv, k_cache[i], v_cache[i], step)
+            residual = fused_linear(out, attn.o_proj.weight, residual=residual)
+            act = fused_linear(residual, mlp.gate_up_weight, norm=(post.weight, post.eps), silu=True)
+            residual = fused_linear(act, mlp.down_proj.weight, residual=residual)
+        return self.norm(residual)
 
     def _step(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor,
               slots: torch.Tensor | None, kv_len: int, prefix: bool = False) -> StackStep:
