@@ -78,13 +78,14 @@ def _fused_linear_kernel(a_ptr, w_ptr, out_ptr, g_ptr, res_ptr, M, N, K, a_strid
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], y.to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def tiles(n: int, k: int) -> tuple[int, int, int, int]:
+def tiles(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_stages, num_warps) for ``n`` output columns: enough programs to keep the SMs
-    streaming weights (>= 64 of them for the shapes of Qwen3-TTS), from n and k only (batch invariance)."""
+    streaming weights (>= 64 of them for the shapes of Qwen3-TTS), from n and k only (batch invariance).
+    ``silu`` holds two accumulators: at most 32 columns (64 took all 255 registers in ptxas for sm_90a)."""
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
     block_n = 64 if n >= 64 * 96 else 32 if n >= 32 * 96 else 16
-    return block_n, 128, 4, 4
+    return min(block_n, 32) if silu else block_n, 128, 4, 4
 
 
 def fused_linear(a: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
@@ -116,7 +117,7 @@ def fused_linear(a: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor
             r2 = r2.contiguous()
     if m == 0:
         return out
-    block_n, block_k, stages, warps = tiles(n, k)
+    block_n, block_k, stages, warps = tiles(n, k, silu)
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
     _fused_linear_kernel[grid](a2, weight, out, g, r2, m, n, k, a2.stride(0), r2.stride(0) if r2 is not None else 0,

@@ -69,13 +69,11 @@ def _norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, out_ptr, x_stride
             tl.store(v_cache_ptr + dst + offs, tl.load(x_ptr + src[:, None] + offs, mask=lane), mask=inside)
         else:
             y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, live, D)
-            if is_q:
-                tl.store(out_ptr + out_dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
-            else:
+            if not is_q:
                 dst = cache_row + (head - num_q_heads).to(tl.int64) * head_stride
                 tl.store(k_cache_ptr + dst + offs, y.to(k_cache_ptr.dtype.element_ty), mask=inside)
-                if KEEP_K:  # the keys also go to the output, after the queries (the prefix prefill attends them)
-                    tl.store(out_ptr + out_dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
+            if is_q or KEEP_K:  # with KEEP_K the keys also go to the output, after the queries (prefix prefill)
+                tl.store(out_ptr + out_dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
     else:
         y = _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, token % cos_rows, eps, live, D)
         tl.store(out_ptr + out_dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
