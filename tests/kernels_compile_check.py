@@ -85,7 +85,7 @@ def _intercept(self: JITFunction, *args, grid, warmup, **kwargs):
 def launch_all() -> None:
     from omniloop.gpu.kernels.add_rms_norm import add_rms_norm
     from omniloop.gpu.kernels.counter_hash import counter_uniform_cuda
-    from omniloop.gpu.kernels.decode_attention import decode_attention
+    from omniloop.gpu.kernels.decode_attention import decode_attention, decode_attention_fresh
     from omniloop.gpu.kernels.fused_linear import fused_linear
     from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache
     from omniloop.gpu.kernels.sampler import sample_rows
@@ -125,6 +125,10 @@ def launch_all() -> None:
     cp_q = torch.empty(rows, 2, heads, d, dtype=bf)
     cp_k = torch.empty(rows, kv_heads, 17, d, dtype=bf)
     decode_attention(cp_q, cp_k, torch.empty_like(cp_k), 2)  # code predictor's first step
+    decode_attention_fresh(qkv, heads, kv_heads, w, w, 1e-6, cos, sin, k_cache, v_cache, positions, 256,
+                           positions[:, 0] + 1, slot_ids)  # talker decode, q/k norm+rope and KV write inside
+    cp_qkv = torch.empty(rows, 2, (heads + 2 * kv_heads) * d, dtype=bf)
+    decode_attention_fresh(cp_qkv, heads, kv_heads, w, w, 1e-6, cos[:2], sin[:2], cp_k, torch.empty_like(cp_k), 0, 2)
     for vocab in (3072, 2048):
         logits = torch.empty(rows, vocab, dtype=torch.float32)
         sample_rows(logits, torch.ones(rows, dtype=torch.bool), torch.ones(rows), torch.full((rows,), 50),

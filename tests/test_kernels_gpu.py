@@ -473,16 +473,26 @@ def test_fused_linear_matches_torch_and_is_batch_invariant() -> None:
 
 
 @torch.no_grad()
-def test_stack_with_fused_linear_matches_the_fused_stack(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``FUSED_LINEAR`` on: the bf16 stack's decode-sized calls (talker decode with slots, the code
-    predictor's steps) run ``_forward_fused_linear`` and match the path it replaces to bf16 rounding, caches
-    included; a prefill (not decode-sized) keeps the old path."""
+@pytest.mark.parametrize("flag", ["FUSED_LINEAR", "FUSED_QKV_ATTENTION"])
+def test_stack_with_fused_decode_kernels_matches_the_fused_stack(monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
+    """``FUSED_LINEAR`` (``_forward_fused_linear``) or ``FUSED_QKV_ATTENTION`` (``decode_attention_fresh``)
+    on: the bf16 stack's decode-sized calls (talker decode with slots and a row parked on the scratch
+    position, the code predictor's steps) take the new kernels and match the path they replace to bf16
+    rounding, caches included (the parked row's output is unused: not compared); a prefill keeps the old
+    path."""
+    from omniloop.gpu.kernels import decode_attention as attention_kernels
     from omniloop.models.qwen3_tts import layers
 
     cfg, stack = _tiny_stack(torch.bfloat16)
     runs = []
-    real = layers.DecoderStack._forward_fused_linear
-    monkeypatch.setattr(layers.DecoderStack, "_forward_fused_linear", lambda *a: runs.append(1) or real(*a))
+    if flag == "FUSED_LINEAR":
+        real = layers.DecoderStack._forward_fused_linear
+        monkeypatch.setattr(layers.DecoderStack, "_forward_fused_linear", lambda *a: runs.append(1) or real(*a))
+        per_call = 1
+    else:
+        real = attention_kernels.decode_attention_fresh
+        monkeypatch.setattr(attention_kernels, "decode_attention_fresh", lambda *a: runs.append(1) or real(*a))
+        per_call = cfg.num_layers
     h, max_len, dev = cfg.hidden_size, 40, "cuda"
     k, v = (torch.randn(cfg.num_layers, 6, cfg.num_kv_heads, max_len + 1, cfg.head_dim, device=dev,
                         dtype=torch.bfloat16) for _ in range(2))
@@ -497,11 +507,17 @@ def test_stack_with_fused_linear_matches_the_fused_stack(monkeypatch: pytest.Mon
     for name, (inp, positions, slots, kv_len, decode_sized) in calls_of.items():
         out = {}
         for fused in (True, False):
-            monkeypatch.setattr(layers, "FUSED_LINEAR", fused)
+            monkeypatch.setattr(layers, flag, fused)
             runs.clear()
             kc, vc = k.clone(), v.clone()
-            out[fused] = (stack(inp, positions, kc, vc, slots, kv_len).float(), kc.float(), vc.float())
-            assert len(runs) == (1 if fused and decode_sized else 0), name
+            # the scratch position (max_len) absorbs the parked row's writes: not compared
+            out[fused] = (stack(inp, positions, kc, vc, slots, kv_len).float(), kc[..., :max_len, :].float(),
+                          vc[..., :max_len, :].float())
+            assert len(runs) == (per_call if fused and decode_sized else 0), name
+        live = torch.ones(inp.shape[0], dtype=torch.bool, device=dev)
+        if isinstance(positions, torch.Tensor) and decode_sized:
+            live = positions[:, 0] < kv_len
+        out = {f: (o[0][live], *o[1:]) for f, o in out.items()}
         for got, want in zip(out[True], out[False]):
             err = ((got - want).norm() / want.norm()).item()
             assert err < 1e-2, (name, err)

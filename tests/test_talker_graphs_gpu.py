@@ -131,13 +131,16 @@ def test_prefill_graphs_equal_the_eager_prefill_float32(monkeypatch: pytest.Monk
         assert torch.equal(graphed[job.req_id], _expected(job.inp, model)), job.req_id
 
 
-def test_fused_linear_graphs_are_deterministic_and_track_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``FUSED_LINEAR`` on, the captured frame (talker decode + code predictor loop through the fused
-    matmuls) replays deterministically and its first frames equal the eager run of the same kernels (the
-    kernel's own batch invariance is ``test_kernels_gpu.py``'s; the prefill and heads here stay cuBLAS)."""
+@pytest.mark.parametrize("flags", [("FUSED_LINEAR",), ("FUSED_QKV_ATTENTION",), ("FUSED_LINEAR", "FUSED_QKV_ATTENTION")])
+def test_fused_decode_kernels_graphs_are_deterministic_and_track_eager(monkeypatch: pytest.MonkeyPatch,
+                                                                       flags: tuple[str, ...]) -> None:
+    """With the fused decode kernels on, the captured frame (talker decode + code predictor loop) replays
+    deterministically and its first frames equal the eager run of the same kernels (the fused matmul's own
+    batch invariance is ``test_kernels_gpu.py``'s; the prefill and heads here stay cuBLAS)."""
     from omniloop.models.qwen3_tts import layers
 
-    monkeypatch.setattr(layers, "FUSED_LINEAR", True)
+    for flag in flags:
+        monkeypatch.setattr(layers, flag, True)
     model = _cuda_model(torch.bfloat16)
     kw = dict(model=model, device="cuda", graph_buckets=BUCKETS)
     one = _run(_jobs(), 8, MAX_LEN, use_cuda_graphs=True, **kw)

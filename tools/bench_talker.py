@@ -301,6 +301,8 @@ def main() -> None:
     parser.add_argument("--fused-linear", action="store_true",
                         help="decode-sized projections through gpu/kernels/fused_linear.py (layers.FUSED_LINEAR)")
     parser.add_argument("--linear-tiles", help="with --fused-linear: BLOCK_N,BLOCK_K,stages,warps for every call")
+    parser.add_argument("--fused-qkv-attention", action="store_true",
+                        help="q/k norm+rope and the KV write inside the decode attention (layers.FUSED_QKV_ATTENTION)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_fused_norm_rope:
@@ -309,6 +311,8 @@ def main() -> None:
         layers.FUSED_DECODE_ATTENTION = False
     if args.fused_linear:
         layers.FUSED_LINEAR = True
+    if args.fused_qkv_attention:
+        layers.FUSED_QKV_ATTENTION = True
     if args.linear_tiles:
         from omniloop.gpu.kernels import fused_linear
 
@@ -324,6 +328,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"fused norm+rope {layers.FUSED_NORM_ROPE}, fused decode attention {layers.FUSED_DECODE_ATTENTION}, "
           f"fused linear {layers.FUSED_LINEAR} (tiles {args.linear_tiles or 'default'}), "
+          f"fused qkv attention {layers.FUSED_QKV_ATTENTION}, "
           f"talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
     if args.compile or args.sampling or args.prefill:
         if args.prefill:

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [linear] [gemm]   (default: tests bench)
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [gemm]   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
-# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1 in the
-# environment runs every part with the fused decode matmuls (layers.FUSED_LINEAR).
+# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1 and
+# OMNILOOP_FUSED_QKV_ATTENTION=1 in the environment run every part with those kernels (layers.FUSED_*).
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -29,15 +29,21 @@ for part in "${parts[@]}"; do
       grep '^{"concurrency"' "$out/trace-$commit.txt" ;;
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
-    linear)  # the frame at 64 rows with cuBLAS + separate norms vs the fused decode matmuls, then tile variants
-      for v in off on 16,256,3,4 64,64,4,4; do
-        case $v in off) flags=() ;; on) flags=(--fused-linear) ;; *) flags=(--fused-linear --linear-tiles "$v") ;; esac
-        echo "fused linear: $v"
+    fused)  # the frame at 64 rows: the default kernels vs the fused decode matmuls / attention, then tile variants
+      for v in off linear attention both both:16,256,3,4 both:64,64,4,4; do
+        case $v in
+          off) flags=() ;;
+          linear) flags=(--fused-linear) ;;
+          attention) flags=(--fused-qkv-attention) ;;
+          both) flags=(--fused-linear --fused-qkv-attention) ;;
+          *) flags=(--fused-linear --fused-qkv-attention --linear-tiles "${v#both:}") ;;
+        esac
+        echo "fused: $v"
         python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 "${flags[@]}" \
-          --out "$out/talker-linear-$v-$commit.json" 2>&1 | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*'
+          --out "$out/talker-fused-${v/:/-}-$commit.json" 2>&1 | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*'
       done ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, linear, gemm)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, fused, gemm)"; exit 2 ;;
   esac
 done

@@ -19,15 +19,36 @@ import torch
 import triton
 import triton.language as tl
 
+from omniloop.gpu.kernels.qk_norm_rope import _normed_rotated
+
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_keys"])
+@triton.jit
+def _softmax_block(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One block of keys ``k``/values ``v`` ``[N, D]`` into the online softmax of queries ``q`` ``[M, D]``
+    (``visible`` ``[M, N]``): the updated running max, sum and accumulator."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a query row with no visible key yet keeps m = -inf; subtracting 0 instead keeps exp2 free of NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_keys", "start"])
 def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, num_keys, qk_scale,
                              q_stride_b, q_stride_l, q_stride_h, k_stride_s, k_stride_h, k_stride_t,
                              v_stride_s, v_stride_h, v_stride_t,
+                             wq_ptr, wk_ptr, cos_ptr, sin_ptr, cos_rows, eps, pos_ptr, start, num_positions,
+                             num_slots, num_q_heads,
                              L: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                             FRESH: tl.constexpr):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -47,28 +68,49 @@ def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, slot_ptr, len_ptr, nu
     limit = tl.where(is_query, length - (L - 1 - token), length)  # padding rows: any limit, never stored
     head = kv_head * GROUPS + m % GROUPS
     q_rows = row.to(tl.int64) * q_stride_b + token * q_stride_l + head * q_stride_h
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=is_query[:, None] & in_d[None, :], other=0.0)
     k_base = k_ptr + slot * k_stride_s + kv_head.to(tl.int64) * k_stride_h
     v_base = v_ptr + slot * v_stride_s + kv_head.to(tl.int64) * v_stride_h
-
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, length, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        in_keys = (n < length)[:, None] & in_d[None, :]
+    if FRESH:
+        # q_ptr holds the projection's raw rows: the queries of this kv head and the row's L new keys are
+        # normalized and rotated here (as qk_norm_rope_cache would, rounded once to the cache's dtype), the
+        # new keys and values stored at their cache positions, and attended from registers after the cached
+        # keys: the loop reads only positions below length - L, which no program of this launch writes
+        q = _normed_rotated(q_ptr, q_rows, wq_ptr, wk_ptr, True, cos_ptr, sin_ptr,
+                            (row * L + token) % cos_rows, eps, is_query, D).to(k_ptr.dtype.element_ty)
+        f = tl.arange(0, BLOCK_M)  # the new tokens, padded to the tile's rows
+        is_new = f < L
+        new_rows = row.to(tl.int64) * q_stride_b + f * q_stride_l
+        k_new = _normed_rotated(q_ptr, new_rows + (num_q_heads + kv_head) * q_stride_h, wq_ptr, wk_ptr, False,
+                                cos_ptr, sin_ptr, (row * L + f) % cos_rows, eps, is_new, D).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(q_ptr + (new_rows + (num_q_heads + num_q_heads // GROUPS + kv_head) * q_stride_h)[:, None]
+                        + d[None, :], mask=is_new[:, None] & in_d[None, :], other=0.0)
+        if pos_ptr is None:
+            pos = (start + f).to(tl.int64)
+        else:
+            pos = tl.load(pos_ptr + row * L + f, mask=is_new, other=-1).to(tl.int64)
+        # an index outside the cache drops the write instead of scribbling over other memory
+        lane = is_new[:, None] & in_d[None, :]
+        slot_of = tl.zeros([BLOCK_M], tl.int64) + slot  # per new token (a scalar condition would not broadcast)
+        inside = lane & ((slot_of >= 0) & (slot_of < num_slots) & (pos >= 0) & (pos < num_positions))[:, None]
+        tl.store(k_base + pos[:, None] * k_stride_t + d[None, :], k_new, mask=inside)
+        tl.store(v_base + pos[:, None] * v_stride_t + d[None, :], v_new, mask=inside)
+        cached = length - L
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=is_query[:, None] & in_d[None, :], other=0.0)
+        cached = length
+    for begin in range(0, cached, BLOCK_N):
+        n = begin + tl.arange(0, BLOCK_N)
+        in_keys = (n < cached)[:, None] & in_d[None, :]
         k = tl.load(k_base + n[:, None] * k_stride_t + d[None, :], mask=in_keys, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
-        s = tl.where(n[None, :] < limit[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a query row with no visible key yet keeps m = -inf; subtracting 0 instead keeps exp2 free of NaN
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + n[:, None] * v_stride_t + d[None, :], mask=in_keys, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        visible = (n[None, :] < limit[:, None]) & (n < cached)[None, :]  # FRESH: the new keys come after
+        m_i, l_i, acc = _softmax_block(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
+    if FRESH:  # new token f sits at position cached + f: token t sees the new ones up to itself
+        visible = (f[None, :] <= token[:, None]) & is_new[None, :] & (cached + f[None, :] >= 0)
+        m_i, l_i, acc = _softmax_block(q, k_new, v_new, visible, qk_scale, m_i, l_i, acc, PRECISION)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no visible key at all: zeros, not NaN
     out_rows = ((row.to(tl.int64) * L + token) * (GROUPS * tl.num_programs(1)) + head) * D
     tl.store(out_ptr + out_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -112,6 +154,64 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, out, slots, lengths, kv_len, LOG2E / d ** 0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        None, None, None, None, 1, 0.0, None, 0, 0, 0, 0,
         L=n, GROUPS=groups, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=max(16, triton.next_power_of_2(n * groups)), BLOCK_N=block_n, PRECISION=precision, num_warps=4)
+        BLOCK_M=max(16, triton.next_power_of_2(n * groups)), BLOCK_N=block_n, PRECISION=precision, FRESH=False,
+        num_warps=4)
+    return out
+
+
+def decode_attention_fresh(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, wq: torch.Tensor,
+                           wk: torch.Tensor, eps: float, cos: torch.Tensor, sin_folded: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor | int, kv_len: int,
+                           lengths: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> torch.Tensor:
+    """``qk_norm_rope_cache`` followed by ``decode_attention`` in one launch, from the fused projection's rows.
+
+    qkv ``[B, L, (Hq + 2 * Hkv) * D]`` (queries, keys, values; D contiguous); wq, wk the per-head RMSNorm
+    weights ``[D]``; cos, sin_folded the rope rows ``[R, D]`` (token ``b * L + l`` uses row ``(b * L + l) % R``);
+    each row's L new keys (normalized, rotated) and values are stored in its slot at ``positions + l`` (an int
+    shared by every row) or ``positions[b, l]`` (write positions, the scratch one for padding rows); then, as
+    ``decode_attention``, token ``l`` attends the first ``length - (L - 1 - l)`` keys, the new ones among
+    them. Returns ``[B, L, Hq, D]`` contiguous. No host sync: graph-capturable."""
+    b, n, width = qkv.shape
+    d = wq.shape[0]
+    num_slots, hkv, max_positions, _ = k_cache.shape
+    if width != (num_q_heads + 2 * num_kv_heads) * d or hkv != num_kv_heads or num_q_heads % num_kv_heads:
+        raise ValueError(f"qkv rows of width {width} are not {num_q_heads} + 2 * {num_kv_heads} heads of {d}, "
+                         f"or the cache holds {hkv} kv heads")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head dim {d} is not a power of two of at least 16")
+    if (k_cache.dtype != qkv.dtype or k_cache.shape != v_cache.shape or k_cache.stride(3) != 1
+            or v_cache.stride(3) != 1 or k_cache.shape[3] != d):
+        raise ValueError("k_cache and v_cache must be [slots, kv_heads, positions, head_dim] of qkv's dtype")
+    if not 0 < kv_len <= max_positions or n > kv_len:
+        raise ValueError(f"kv_len {kv_len} outside the cache's {max_positions} positions or below {n} new tokens")
+    if isinstance(positions, int):
+        if positions < 0 or positions + n > max_positions:
+            raise ValueError(f"positions {positions}..{positions + n - 1} are outside the cache")
+        pos, start = None, positions
+    else:
+        pos, start = positions.reshape(-1), 0
+        if pos.numel() != b * n:
+            raise ValueError(f"{pos.numel()} cache positions for {b} x {n} tokens")
+    if slots is None and b > num_slots:
+        raise ValueError(f"{b} rows but only {num_slots} cache slots")
+    for name, t in (("lengths", lengths), ("slots", slots)):
+        if t is not None and t.numel() != b:
+            raise ValueError(f"{t.numel()} {name} for {b} rows")
+    if qkv.stride(2) != 1:
+        qkv = qkv.contiguous()
+    groups = num_q_heads // num_kv_heads
+    out = torch.empty((b, n, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if b == 0:
+        return out
+    block_n = min(64, max(16, triton.next_power_of_2(kv_len)))
+    precision = "ieee" if qkv.dtype == torch.float32 else "tf32"
+    _decode_attention_kernel[(b, num_kv_heads)](
+        qkv, k_cache, v_cache, out, slots, lengths, kv_len, LOG2E / d ** 0.5,
+        qkv.stride(0), qkv.stride(1), d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        wq, wk, cos, sin_folded, cos.shape[0], eps, pos, start, max_positions, num_slots, num_q_heads,
+        L=n, GROUPS=groups, D=d, BLOCK_D=d, BLOCK_M=max(16, triton.next_power_of_2(n * groups)), BLOCK_N=block_n,
+        PRECISION=precision, FRESH=True, num_warps=4)
     return out

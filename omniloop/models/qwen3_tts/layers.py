@@ -47,6 +47,10 @@ FUSED_DECODE_ATTENTION = True
 # nine or ten. Off until measured against cuBLAS on the H200 (``tools/bench_talker.py --fused-linear``);
 # ``OMNILOOP_FUSED_LINEAR=1`` turns it on for a whole run
 FUSED_LINEAR = os.environ.get("OMNILOOP_FUSED_LINEAR") == "1"
+# CUDA bf16/fp16, with FUSED_KV_WRITE and FUSED_DECODE_ATTENTION: the decode attention kernel also does the q/k
+# norm+rope and the KV write of the new tokens (``decode_attention_fresh``): one launch a layer instead of two.
+# Off until measured on the H200; ``OMNILOOP_FUSED_QKV_ATTENTION=1`` turns it on for a whole run
+FUSED_QKV_ATTENTION = os.environ.get("OMNILOOP_FUSED_QKV_ATTENTION") == "1"
 
 
 class RMSNorm(nn.Module):
@@ -231,6 +235,8 @@ class Attention(nn.Module):
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
         row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
         gathering (a copy)."""
+        if self._fresh_attention(s):
+            return self.o_proj(self.attend_qkv(self._fused_qkv(x), k_cache, v_cache, s))
         if self._is_fused_path(s) and FUSED_KV_WRITE:
             q, k, v = self._q_writing_kv(x, k_cache, v_cache, s)
         else:
@@ -238,11 +244,25 @@ class Attention(nn.Module):
             self._write_kv(k, v, k_cache, v_cache, s)
         return self.o_proj(self._attend(q, k, v, k_cache, v_cache, s))
 
+    def _fresh_attention(self, s: StackStep) -> bool:
+        """Decode-kernel attention that also normalizes, rotates and stores the new keys (FUSED_QKV_ATTENTION)."""
+        return (FUSED_QKV_ATTENTION and FUSED_KV_WRITE and s.decode_lengths is not None and not s.prefix
+                and self._is_fused_path(s))
+
     def attend_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    s: StackStep) -> torch.Tensor:
         """``forward`` from the fused projection's rows ``qkv`` ``[B, L, (heads + 2 * kv_heads) * D]`` (computed
         by the caller), up to but not including ``o_proj``: returns ``[B, L, heads * D]``."""
         b, n, _ = qkv.shape
+        if self._fresh_attention(s):
+            from omniloop.gpu.kernels.decode_attention import decode_attention_fresh
+
+            positions = s.start if s.start is not None else s.index[2]
+            lengths = None if isinstance(s.decode_lengths, int) else s.decode_lengths
+            out = decode_attention_fresh(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
+                                         self.k_norm.weight, self.q_norm.eps, *s.rows, k_cache, v_cache, positions,
+                                         s.kv_len, lengths, s.slots)
+            return out.view(b, n, -1)
         if self._is_fused_path(s) and FUSED_KV_WRITE:
             q, k, v = self._q_writing_kv_of(qkv, k_cache, v_cache, s)
         else:
