@@ -87,6 +87,7 @@ def launch_all() -> None:
     from omniloop.gpu.kernels.counter_hash import counter_uniform_cuda
     from omniloop.gpu.kernels.decode_attention import decode_attention, decode_attention_fresh
     from omniloop.gpu.kernels.fused_linear import fused_linear
+    from omniloop.gpu.kernels.packed_attention import packed_attention
     from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache
     from omniloop.gpu.kernels.sampler import sample_rows
     from omniloop.gpu.kernels.silu_mul import silu_mul
@@ -120,6 +121,9 @@ def launch_all() -> None:
     qk_norm_rope_cache(prefill, heads, kv_heads, w, w, 1e-6, pcos, psin, k_cache, v_cache,
                        torch.zeros(4, 512, dtype=torch.int64), torch.arange(4))  # a later prefill piece: no keys kept
     norm_rope(torch.empty(rows, 1, heads, d, dtype=bf), w, 1e-6, cos, sin)
+    packed = torch.empty(4096, 1, heads + kv_heads, d, dtype=bf)  # a packed prefill: q and kept keys
+    packed_attention(packed[:, 0, :heads], packed[:, 0, heads:], torch.empty(4096, kv_heads, d, dtype=bf),
+                     torch.zeros(4096, dtype=torch.int64))
     q = qkv[..., :heads * d].view(rows, 1, heads, d)
     decode_attention(q, k_cache, v_cache, 256, positions[:, 0] + 1, slot_ids)  # talker decode
     cp_q = torch.empty(rows, 2, heads, d, dtype=bf)

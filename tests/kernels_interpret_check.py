@@ -15,6 +15,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 from omniloop.gpu.kernels.add_rms_norm import add_rms_norm  # noqa: E402
 from omniloop.gpu.kernels.decode_attention import decode_attention  # noqa: E402
 from omniloop.gpu.kernels.fused_linear import fused_linear  # noqa: E402
+from omniloop.gpu.kernels.packed_attention import packed_attention, packed_attention_reference  # noqa: E402
 from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache  # noqa: E402
 from omniloop.gpu.kernels.silu_mul import silu_mul  # noqa: E402
 from omniloop.gpu.kernels.sampler import sample_rows  # noqa: E402
@@ -410,6 +411,32 @@ def check_fresh_attention() -> None:
             assert not torch.equal(out[True][1], cache.float()), (dtype, n)  # the new keys were written
 
 
+def check_packed_attention() -> None:
+    """Packed causal attention: prompts of 5, 70 (straddling query blocks), 1, 30 and 64 tokens and 22 padding
+    tokens laid end to end, GQA, rows strided as in the projection's output; equals the dense-mask reference
+    and each prompt's own causal attention (float32 to rounding, float16 to its rounding)."""
+    torch.manual_seed(15)
+    lens, pad = [5, 70, 1, 30, 64], 22
+    starts, offset = [], 0
+    for n in lens:
+        starts += [offset] * n
+        offset += n
+    p = offset + pad
+    seq_start = torch.tensor(starts + list(range(offset, p)))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+        qkv = torch.randn(p, (4 + 2 * 2) * 16).to(dtype)
+        q, k, v = qkv[:, :64].view(p, 4, 16), qkv[:, 64:96].view(p, 2, 16), qkv[:, 96:].view(p, 2, 16)
+        got = packed_attention(q, k, v, seq_start)
+        want = packed_attention_reference(q.float(), k.float(), v.float(), seq_start)
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+        offset = 0
+        for n in lens:
+            alone = F.scaled_dot_product_attention(*(t[offset:offset + n].float().transpose(0, 1) for t in (q, k, v)),
+                                                   is_causal=True, enable_gqa=True).transpose(0, 1)
+            torch.testing.assert_close(got[offset:offset + n].float(), alone, rtol=tol, atol=tol, msg=str(n))
+            offset += n
+
+
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Distance in units of the last place between two same-signed bf16 tensors."""
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
@@ -599,6 +626,7 @@ if __name__ == "__main__":
     check_attention_writes_kv()
     check_decode_attention()
     check_fresh_attention()
+    check_packed_attention()
     check_add_rms_norm()
     check_fused_stack()
     check_fused_linear()

@@ -26,4 +26,5 @@ def test_every_kernel_compiles_for_sm90_without_spills() -> None:
     assert "kernels compile" in proc.stdout
     compiled = {line.split("'kernel': '")[1].split("'")[0] for line in proc.stdout.splitlines() if "'kernel'" in line}
     assert {"_fused_linear_kernel", "_norm_rope_kernel", "_decode_attention_kernel", "_sample_kernel",
-            "_add_rms_norm_kernel", "_silu_mul_kernel", "_uniform_kernel", "_snake_kernel"} <= compiled
+            "_add_rms_norm_kernel", "_silu_mul_kernel", "_uniform_kernel", "_snake_kernel",
+            "_packed_attention_kernel"} <= compiled

@@ -301,6 +301,8 @@ def main() -> None:
     parser.add_argument("--fused-linear", action="store_true",
                         help="decode-sized projections through gpu/kernels/fused_linear.py (layers.FUSED_LINEAR)")
     parser.add_argument("--linear-tiles", help="with --fused-linear: BLOCK_N,BLOCK_K,stages,warps for every call")
+    parser.add_argument("--packed-prefill", action="store_true",
+                        help="--prefill: prompts packed end to end in token-bucket graphs (prefill_graphs.PACKED)")
     parser.add_argument("--fused-qkv-attention", action="store_true",
                         help="q/k norm+rope and the KV write inside the decode attention (layers.FUSED_QKV_ATTENTION)")
     parser.add_argument("--out")
@@ -313,6 +315,10 @@ def main() -> None:
         layers.FUSED_LINEAR = True
     if args.fused_qkv_attention:
         layers.FUSED_QKV_ATTENTION = True
+    if args.packed_prefill:
+        from omniloop.gpu import prefill_graphs
+
+        prefill_graphs.PACKED = True
     if args.linear_tiles:
         from omniloop.gpu.kernels import fused_linear
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [gemm]   (default: tests bench)
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm]   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
-# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1 and
-# OMNILOOP_FUSED_QKV_ATTENTION=1 in the environment run every part with those kernels (layers.FUSED_*).
+# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1,
+# OMNILOOP_FUSED_QKV_ATTENTION=1 and OMNILOOP_PACKED_PREFILL=1 in the environment run every part with those
+# kernels / graphs (layers.FUSED_*, prefill_graphs.PACKED), e.g. for the pipeline bench.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -42,8 +43,15 @@ for part in "${parts[@]}"; do
         python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 "${flags[@]}" \
           --out "$out/talker-fused-${v/:/-}-$commit.json" 2>&1 | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*'
       done ;;
+    prefill)  # admission plans through the padded (rows x tokens) prefill graphs vs the packed ones
+      for flags in "" --packed-prefill; do
+        echo "prefill ${flags:-padded}"
+        python3 tools/bench_talker.py --prefill 1x120 4x218 18x218 $flags \
+          --out "$out/prefill${flags:+-packed}-$commit.json" 2>&1 \
+          | grep -o '"batch": [0-9]*, "tokens": [0-9]*, "plan_ms": [0-9.]*, "cuda_total_ms": [0-9.]*'
+      done ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, fused, gemm)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm)"; exit 2 ;;
   esac
 done

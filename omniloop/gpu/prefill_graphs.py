@@ -16,6 +16,8 @@ first; replays are serialized on the runner's stream.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -26,6 +28,10 @@ from omniloop.gpu.talker_state import TalkerState
 ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
 TOKEN_BUCKETS = (32, 64, 128, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 MAX_AREA = 8192  # rows x tokens of the largest graph (twice the profile's 4096-token step budget)
+# Packed prompts instead (``PackedPrefillGraphs``): one graph per total-token bucket, no row padding and no
+# per-row token padding. Off until measured on the H200; ``OMNILOOP_PACKED_PREFILL=1`` turns it on for a run
+PACKED = os.environ.get("OMNILOOP_PACKED_PREFILL") == "1"
+PACKED_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 8192)
 
 
 def check_token_buckets(buckets: tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -106,3 +112,78 @@ class PrefillGraphs:
         graph, out = self._graphs[bucket]
         graph.replay()
         return out
+
+
+class PackedPrefillGraphs:
+    """The prefill of whole prompts laid end to end (``DecoderStack.forward(..., seq_start=...)``): one graph
+    per total-token bucket, so 18 prompts of 218 tokens run as 3,924 tokens padded to 4,096 instead of
+    20 x 256 = 5,120. Each token is a row with its own slot and position; token t attends its prompt's keys
+    up to itself (``gpu/kernels/packed_attention.py``). Padding tokens are one-token prompts of their own
+    on the scratch position of slot 0, their outputs ignored. Same sharing as ``PrefillGraphs``: one memory
+    pool, one input buffer, captured largest first, replays serialized on the runner's stream."""
+
+    def __init__(self, state: TalkerState, stream: torch.cuda.Stream, max_tokens: int = MAX_AREA,
+                 buckets: tuple[int, ...] = PACKED_BUCKETS) -> None:
+        self.state = state
+        model = state.model
+        hidden = model.cfg.talker.decoder.hidden_size
+        dev = state.step.device
+        self.shapes = sorted((t for t in buckets if t <= max_tokens), reverse=True)
+        top = max(self.shapes, default=0)
+        self._x = torch.zeros(top, hidden, dtype=model.dtype, device=dev)
+        self._pos = torch.full((top, 1), state.max_len, dtype=torch.int64, device=dev)
+        self._slots = torch.zeros(top, dtype=torch.int64, device=dev)
+        self._start = torch.arange(top, dtype=torch.int64, device=dev)
+        self._pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        with torch.no_grad():
+            for tokens in self.shapes:
+                # every position is the scratch one here: warm-up and capture write no slot's real KV
+                self._graphs[tokens] = capture(lambda t=tokens: self._forward(t), stream, self._pool)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _forward(self, tokens: int) -> torch.Tensor:
+        s = self.state
+        return s.model.talker.model(self._x[:tokens, None], self._pos[:tokens], s.cache.k, s.cache.v,
+                                    self._slots[:tokens], 1, prefix=True, seq_start=self._start[:tokens])
+
+    def bucket(self, total: int) -> int | None:
+        """The smallest captured token count that holds ``total`` tokens (None: none does; run eagerly)."""
+        fits = [t for t in self._graphs if t >= total]
+        return min(fits) if fits else None
+
+    def run(self, bucket: int, pieces: list[torch.Tensor], slots: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """Prefill ``pieces`` (prompt embeds ``[n_i, H]`` from position 0) of ``slots`` in the ``bucket``-token
+        graph; returns the hidden states ``[bucket, 1, H]`` (valid until the next replay) and the row of each
+        piece's last token."""
+        host, last = packed_layout(np.array([p.shape[0] for p in pieces], dtype=np.int64), slots, bucket,
+                                   self.state.max_len)
+        dev = to_device(host, self._pos.device)  # one pinned copy
+        self._pos[:bucket, 0].copy_(dev[0])
+        self._slots[:bucket].copy_(dev[1])
+        self._start[:bucket].copy_(dev[2])
+        self._x[:int(last[-1]) + 1].copy_(torch.cat(pieces).to(self._x.dtype))
+        graph, out = self._graphs[bucket]
+        graph.replay()
+        return out, last
+
+
+def packed_layout(lens: np.ndarray, slots: np.ndarray, bucket: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts of ``lens`` tokens (slots ``slots``) laid end to end in ``bucket`` token rows: ``[3, bucket]``
+    of each token's position (from 0 in its prompt), slot and prompt start, padding tokens on the scratch
+    position ``max_len`` of slot 0, each its own prompt; and the row of each prompt's last token."""
+    offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    total = int(lens.sum())
+    if total > bucket or len(slots) != len(lens) or (lens < 1).any():
+        raise ValueError(f"{len(lens)} prompts of {total} tokens (slots {len(slots)}) do not fit {bucket} rows")
+    host = np.empty((3, bucket), dtype=np.int64)
+    host[0, :total] = np.arange(total) - np.repeat(offsets, lens)
+    host[0, total:] = max_len
+    host[1, :total] = np.repeat(slots, lens)
+    host[1, total:] = 0
+    host[2, :total] = np.repeat(offsets, lens)
+    host[2, total:] = np.arange(total, bucket)
+    return host, offsets + lens - 1

@@ -26,7 +26,8 @@ from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets, kv_buckets
 from omniloop.gpu.host_copy import to_device
 from omniloop.gpu.kv_budget import module_bytes, size_talker_kv
 from omniloop.gpu.observer import CudaObserver
-from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, PrefillGraphs
+from omniloop.gpu import prefill_graphs as packing
+from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, PackedPrefillGraphs, PrefillGraphs
 from omniloop.gpu.runner import CpuRunner, Runner
 from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompts
@@ -56,10 +57,11 @@ class TalkerSteps:
         self.eos = model.cfg.talker.codec_eos_id
         self.state = TalkerState.allocate(model, max_num_seqs, max_len, max_trailing=max_len)
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
-        self.prefill_graphs = None
+        self.prefill_graphs: PrefillGraphs | PackedPrefillGraphs | None = None
         if graphs is not None and prefill_graphs:
-            self.prefill_graphs = PrefillGraphs(self.state, stream, max_rows=max_num_seqs,
-                                                token_buckets=prefill_token_buckets)
+            self.prefill_graphs = (PackedPrefillGraphs(self.state, stream) if packing.PACKED else
+                                   PrefillGraphs(self.state, stream, max_rows=max_num_seqs,
+                                                 token_buckets=prefill_token_buckets))
         # a voice clone's reference frames, sent with its first frame so the codec primes its state
         self.context: dict[int, np.ndarray] = {}
         # slot -> why its request could not be admitted; its later pieces (already planned: async overlap)
@@ -168,14 +170,20 @@ class TalkerSteps:
             pieces.append(prompt[seq.start:end])
         whole = [i for i, seq in enumerate(seqs) if seq.start == 0] if self.prefill_graphs is not None else []
         bucket = None
-        if whole:
+        if whole and isinstance(self.prefill_graphs, PackedPrefillGraphs):
+            bucket = self.prefill_graphs.bucket(sum(seqs[i].num_tokens for i in whole))
+        elif whole:
             bucket = self.prefill_graphs.bucket(len(whole), max(seqs[i].num_tokens for i in whole))
         graphed = whole if bucket is not None else []
         eager = sorted(set(range(len(seqs))) - set(graphed))
         if graphed:
             slots = np.array([seqs[i].slot for i in graphed], dtype=np.int64)
-            hidden = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)
-            self._park([seqs[i] for i in graphed], hidden)
+            if isinstance(self.prefill_graphs, PackedPrefillGraphs):
+                hidden, last = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)
+                self._park([seqs[i] for i in graphed], hidden, last)
+            else:
+                hidden = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)
+                self._park([seqs[i] for i in graphed], hidden)
         if eager:
             self._park([seqs[i] for i in eager], self._prefill_eager([seqs[i] for i in eager], [pieces[i] for i in eager]))
         for seq in seqs:
@@ -194,12 +202,16 @@ class TalkerSteps:
         kv_len = max(seq.start + seq.num_tokens for seq in seqs)
         return self.model.talker.model(x, self._h2d(pos), state.cache.k, state.cache.v, self._h2d(slots), kv_len)
 
-    def _park(self, seqs: list[ArSeq], hidden: torch.Tensor) -> None:
-        """Row i of ``hidden`` is ``seqs[i]``'s piece: park the last hidden of each piece that samples."""
+    def _park(self, seqs: list[ArSeq], hidden: torch.Tensor, last_rows: np.ndarray | None = None) -> None:
+        """Row i of ``hidden`` is ``seqs[i]``'s piece (or, packed, ``hidden`` is ``[P, 1, H]`` and piece i ends
+        on row ``last_rows[i]``): park the last hidden of each piece that samples."""
         sampled = [i for i, seq in enumerate(seqs) if seq.is_sample]
         if not sampled:
             return
-        rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
+        if last_rows is not None:
+            rows_last = np.array([[last_rows[i], 0] for i in sampled], dtype=np.int64).T.copy()
+        else:
+            rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
         rows_last_d = self._h2d(rows_last)
         last = hidden[rows_last_d[0], rows_last_d[1]]
         slots = self._h2d(np.array([seqs[i].slot for i in sampled], dtype=np.int64))

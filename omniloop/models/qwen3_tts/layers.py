@@ -144,6 +144,9 @@ class StackStep:
     # every row's tokens sit at positions 0..L-1, right-padded (a prefill of whole prompts): each query attends
     # its own call's keys causally (flash attention), not the cache through a mask
     prefix: bool = False
+    # with ``prefix``: the call is packed prompts ``[P, 1]`` (one token a row, each row its own slot and
+    # position) and token t attends the call's keys ``seq_start[t]..t`` (``gpu/kernels/packed_attention.py``)
+    seq_start: torch.Tensor | None = None
 
     def norm_rope(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """RMSNorm over the last dim, then rope; x ``[B, L, heads, D]``."""
@@ -290,6 +293,11 @@ class Attention(nn.Module):
         own, needed only by a prefix call) -> ``[B, L, heads * D]``, before ``o_proj``."""
         b, n = q.shape[:2]
         gqa = self.num_heads != self.num_kv_heads
+        if s.seq_start is not None:  # packed prompts: [P, 1, heads, D], one token a row
+            from omniloop.gpu.kernels import packed_attention as packed
+
+            attend = packed.packed_attention if q.is_cuda else packed.packed_attention_reference
+            return attend(q[:, 0], k[:, 0], v[:, 0], s.seq_start).reshape(b, n, -1)
         if s.prefix:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                  is_causal=True, enable_gqa=gqa)
@@ -429,15 +437,20 @@ class DecoderStack(nn.Module):
                    for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slots: torch.Tensor | None, kv_len: int, prefix: bool = False) -> torch.Tensor:
+                slots: torch.Tensor | None, kv_len: int, prefix: bool = False,
+                seq_start: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[B, L, H]``; positions ``[B, L]`` absolute (also the cache positions written), or an int: every
         row at positions ``positions..positions+L-1`` with all keys below ``kv_len = positions + L`` valid.
         ``slots=None`` means row i uses slot i (see ``Attention``). ``prefix``: the caller promises every row's
         real tokens are at positions ``0..n_i-1`` (right padding after them, ``kv_len == L``), so attention is
-        causal over the call's own keys; padding queries' outputs are then meaningless (the caller drops them)."""
+        causal over the call's own keys; padding queries' outputs are then meaningless (the caller drops them).
+        ``seq_start`` (with ``prefix``): packed prompts, x ``[P, 1, H]``, positions ``[P, 1]``, slots ``[P]`` (each
+        token its own row), ``kv_len`` 1; token t attends the call's keys ``seq_start[t]..t`` (its prompt's)."""
         if prefix and (isinstance(positions, int) or kv_len != x.shape[1]):
             raise ValueError("a prefix call takes per-token positions and kv_len equal to its length")
-        step = self._step(x, positions, k_cache, slots, kv_len, prefix)
+        if seq_start is not None and (not prefix or x.shape[1] != 1 or seq_start.shape != (x.shape[0],)):
+            raise ValueError("a packed call is a prefix call of one token a row with one seq_start a row")
+        step = self._step(x, positions, k_cache, slots, kv_len, prefix, seq_start)
         if FUSED_ADD_NORM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and len(self.layers):
             if FUSED_LINEAR and step.decode_lengths is not None and self._linear_fusable(x):
                 return self._forward_fused_linear(x, k_cache, v_cache, step)
@@ -492,7 +505,8 @@ class DecoderStack(nn.Module):
         return self.norm(residual)
 
     def _step(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor,
-              slots: torch.Tensor | None, kv_len: int, prefix: bool = False) -> StackStep:
+              slots: torch.Tensor | None, kv_len: int, prefix: bool = False,
+              seq_start: torch.Tensor | None = None) -> StackStep:
         b, n, dev = x.shape[0], x.shape[1], x.device
         fast = x.is_cuda
         fused_attention = FUSED_DECODE_ATTENTION and fast and x.dtype in (torch.bfloat16, torch.float16)
@@ -521,10 +535,10 @@ class DecoderStack(nn.Module):
         heads = torch.arange(self.num_kv_heads, device=dev)
         batch_rows = torch.arange(b, device=dev) if slots is None else slots
         index = (batch_rows[:, None, None], heads[None, :, None], write_pos[:, None, :])
+        if prefix:
+            return StackStep(cos, sin, kv_len, fast, None, index, slots, None, rows, prefix=True, seq_start=seq_start)
         if fused_attention and n == 1:  # the kernel masks by length: no mask to build
             return StackStep(cos, sin, kv_len, fast, None, index, slots, None, rows, positions[:, 0] + 1)
-        if prefix:
-            return StackStep(cos, sin, kv_len, fast, None, index, slots, None, rows, prefix=True)
         keys = torch.arange(kv_len, device=dev)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]
         if fast and n == 1:
