@@ -34,6 +34,34 @@ class CodePredictor(nn.Module):
         self.small_to_mtp_projection: nn.Module = (
             nn.Linear(talker_hidden, cp.hidden_size, bias=True, **kw) if cp.hidden_size != talker_hidden
             else nn.Identity())
+        # (parameter key, [num_groups - 1, vocab, hidden]): every codebook's input row already projected
+        self._inputs: tuple[tuple, torch.Tensor] | None = None
+
+    def _input_key(self) -> tuple:
+        params = (*(e.weight for e in self.codec_embedding), *self.small_to_mtp_projection.parameters())
+        return tuple((id(p), p._version, p.data_ptr()) for p in params)
+
+    def fuse_inputs(self) -> None:
+        """Project every codebook's embedding table once (``[15, vocab, hidden]``): each step's input is then
+        one row gather instead of a gather and a matmul (the CUDA path; same math, rounded once per row as
+        the per-step projection would)."""
+        with torch.no_grad():
+            table = self.small_to_mtp_projection(torch.cat([e.weight for e in self.codec_embedding]))
+        self._inputs = (self._input_key(), table.view(len(self.codec_embedding), -1, table.shape[-1]))
+
+    def inputs_fused(self) -> bool:
+        return self._inputs is not None and self._inputs[0] == self._input_key()
+
+    def step_input(self, code: torch.Tensor, group: int) -> torch.Tensor:
+        """The predictor's input ``[B, hidden]`` for the step after sampling codebook ``group + 1`` as
+        ``code`` ``[B]``: the projected table's row once ``fuse_inputs`` ran (checked current), else the
+        embedding and the projection."""
+        if self._inputs is None:
+            return self.small_to_mtp_projection(self.codec_embedding[group](code))
+        if self._inputs[0] != self._input_key():
+            raise RuntimeError("the code predictor's projected input table is stale (its embedding or projection "
+                               "parameters changed after it was built); call Qwen3TtsModel.fuse_projections() again")
+        return self._inputs[1][group][code]
 
     def new_cache(self, batch: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cp = self.cfg
@@ -61,7 +89,7 @@ class CodePredictor(nn.Module):
             codes.append(code)
             if g == self.num_groups - 2:
                 break
-            x = self.small_to_mtp_projection(self.codec_embedding[g](code))[:, None]
+            x = self.step_input(code, g)[:, None]
             out = self.model(x, g + 2, k_cache, v_cache, None, kv_len=g + 3)[:, 0]
         return torch.stack(codes, dim=1)
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from omniloop.models.qwen3_tts.code_predictor import CodePredictor
 from omniloop.models.qwen3_tts.config import TtsConfig
-from omniloop.models.qwen3_tts.layers import DecoderStack
+from omniloop.models.qwen3_tts.layers import DecoderStack, _fuse, _is_fused
 from omniloop.models.qwen3_tts.sampling import SamplingParams, frame_noise, sample_code0
 
 
@@ -80,6 +80,8 @@ class Qwen3TtsModel(nn.Module):
         self.code_predictor = CodePredictor(cfg.talker, device, dtype)
         self.cache: TalkerCache | None = None
         self._special: tuple[tuple, torch.Tensor] | None = None
+        self._frame_table: torch.Tensor | None = None  # set by fuse_projections: the 16 codec tables as one
+        self._frame_offsets: torch.Tensor | None = None  # [16] first row of each codebook's table in it
 
     @property
     def device(self) -> torch.device:
@@ -108,11 +110,24 @@ class Qwen3TtsModel(nn.Module):
         return self._special[1]
 
     def fuse_projections(self) -> None:
-        """Fused QKV and gate/up weights in the talker and code predictor (CUDA: fewer, larger matmuls).
-        Idempotent; parameters stay in place as views, so loading and ``module_bytes`` see the same tensors."""
+        """Fused QKV and gate/up weights in the talker and code predictor (CUDA: fewer, larger matmuls); the
+        16 codec embedding tables as views of one table (a frame's input: one gather, not sixteen); the code
+        predictor's projected input table. Idempotent; parameters stay in place as views, so loading and
+        ``module_bytes`` see the same tensors."""
         for stack in (self.talker.model, self.code_predictor.model):
             if not stack.is_fused():
                 stack.fuse()  # first time, or some of its parameters were replaced (moved, reloaded) since
+        tables = self._frame_tables()
+        same = len({(t.dtype, t.device) for t in tables}) == 1  # else one table would cast some of them
+        if same and not _is_fused(self._frame_table, *tables):
+            self._frame_table = _fuse(list(tables))
+            sizes = [t.shape[0] for t in tables]
+            self._frame_offsets = torch.tensor([sum(sizes[:g]) for g in range(len(sizes))], device=self.device)
+        if not self.code_predictor.inputs_fused():
+            self.code_predictor.fuse_inputs()
+
+    def _frame_tables(self) -> tuple[nn.Parameter, ...]:
+        return (self.talker.codec_embedding.weight, *(e.weight for e in self.code_predictor.codec_embedding))
 
     # ----------------------------------------------------------------------------- cache
     def allocate(self, num_slots: int, max_len: int, max_trailing: int = 256) -> TalkerCache:
@@ -193,7 +208,10 @@ class Qwen3TtsModel(nn.Module):
                            self.code_predictor.cfg.vocab_size)
 
     def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes ``[..., 16]`` -> sum of the 16 code embeddings ``[..., H]`` (talker dim)."""
+        """codes ``[..., 16]`` -> sum of the 16 code embeddings ``[..., H]`` (talker dim). With the tables fused
+        (``fuse_projections``), one gather from the one table: the same rows, summed the same way."""
+        if _is_fused(self._frame_table, *self._frame_tables()):
+            return self._frame_table[codes.to(self.device) + self._frame_offsets].sum(-2)
         parts = torch.cat((self.codec_embed(codes[..., :1]), self.code_predictor.embed_codes(codes[..., 1:])), -2)
         return parts.sum(-2)
 
