@@ -5,7 +5,8 @@
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
 # the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1,
 # OMNILOOP_FUSED_QKV_ATTENTION=1 and OMNILOOP_PACKED_PREFILL=1 in the environment run every part with those
-# kernels / graphs (layers.FUSED_*, prefill_graphs.PACKED), e.g. for the pipeline bench.
+# kernels / graphs (layers.FUSED_*, prefill_graphs.PACKED), e.g. for the pipeline bench; OMNILOOP_TILE_VARIANTS adds
+# fused-matmul tile variants (both:BLOCK_N,BLOCK_K,stages,warps) to the fused part.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -31,7 +32,7 @@ for part in "${parts[@]}"; do
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
     fused)  # the frame at 64 rows: the default kernels vs the fused decode matmuls / attention, then tile variants
-      for v in off linear attention both both:16,256,3,4 both:64,64,4,4; do
+      for v in off linear attention both ${OMNILOOP_TILE_VARIANTS:-}; do  # e.g. "both:16,256,3,4 both:64,64,4,4"
         case $v in
           off) flags=() ;;
           linear) flags=(--fused-linear) ;;
@@ -40,15 +41,18 @@ for part in "${parts[@]}"; do
           *) flags=(--fused-linear --fused-qkv-attention --linear-tiles "${v#both:}") ;;
         esac
         echo "fused: $v"
+        log="$out/talker-fused-${v/:/-}-$commit.log"
         python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 "${flags[@]}" \
-          --out "$out/talker-fused-${v/:/-}-$commit.json" 2>&1 | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*'
+          --out "$out/talker-fused-${v/:/-}-$commit.json" > "$log" 2>&1
+        grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*\|"runner_plan_ms": [0-9.]*' "$log" || tail -4 "$log" 
       done ;;
     prefill)  # admission plans through the padded (rows x tokens) prefill graphs vs the packed ones
       for flags in "" --packed-prefill; do
         echo "prefill ${flags:-padded}"
+        log="$out/prefill${flags:+-packed}-$commit.log"
         python3 tools/bench_talker.py --prefill 1x120 4x218 18x218 $flags \
-          --out "$out/prefill${flags:+-packed}-$commit.json" 2>&1 \
-          | grep -o '"batch": [0-9]*, "tokens": [0-9]*, "plan_ms": [0-9.]*, "cuda_total_ms": [0-9.]*'
+          --out "$out/prefill${flags:+-packed}-$commit.json" > "$log" 2>&1
+        grep -o '"batch": [0-9]*, "tokens": [0-9]*, "plan_ms": [0-9.]*, "cuda_total_ms": [0-9.]*' "$log" || tail -4 "$log" 
       done ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
