@@ -301,6 +301,8 @@ def main() -> None:
     parser.add_argument("--fused-linear", action="store_true",
                         help="decode-sized projections through gpu/kernels/fused_linear.py (layers.FUSED_LINEAR)")
     parser.add_argument("--linear-tiles", help="with --fused-linear: BLOCK_N,BLOCK_K,stages,warps for every call")
+    parser.add_argument("--attention-stages", type=int,
+                        help="software-pipeline depth of the decode attention's key loop (decode_attention.NUM_STAGES)")
     parser.add_argument("--packed-prefill", action="store_true",
                         help="--prefill: prompts packed end to end in token-bucket graphs (prefill_graphs.PACKED)")
     parser.add_argument("--fused-qkv-attention", action="store_true",
@@ -315,6 +317,10 @@ def main() -> None:
         layers.FUSED_LINEAR = True
     if args.fused_qkv_attention:
         layers.FUSED_QKV_ATTENTION = True
+    if args.attention_stages:
+        from omniloop.gpu.kernels import decode_attention
+
+        decode_attention.NUM_STAGES = args.attention_stages
     if args.packed_prefill:
         from omniloop.gpu import prefill_graphs
 

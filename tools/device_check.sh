@@ -32,12 +32,13 @@ for part in "${parts[@]}"; do
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
     fused)  # the frame at 64 rows: the default kernels vs the fused decode matmuls / attention, then tile variants
-      for v in off linear attention both ${OMNILOOP_TILE_VARIANTS:-}; do  # e.g. "both:16,256,3,4 both:64,64,4,4"
+      for v in off linear attention both stages:2 ${OMNILOOP_TILE_VARIANTS:-}; do  # e.g. "both:16,256,3,4 stages:1"
         case $v in
           off) flags=() ;;
           linear) flags=(--fused-linear) ;;
           attention) flags=(--fused-qkv-attention) ;;
           both) flags=(--fused-linear --fused-qkv-attention) ;;
+          stages:*) flags=(--attention-stages "${v#stages:}") ;;
           *) flags=(--fused-linear --fused-qkv-attention --linear-tiles "${v#both:}") ;;
         esac
         echo "fused: $v"
