@@ -75,3 +75,15 @@ def test_tables_of_mixed_dtypes_are_left_apart() -> None:
     assert model._frame_table is None  # one table would have cast the talker's embedding to float64
     assert model.talker.codec_embedding.weight.dtype == torch.float32
     assert model.code_predictor.inputs_fused()
+
+
+def test_no_projection_no_table() -> None:
+    """Equal widths (the 0.6B models): the projection is the identity, so no table is built (it would copy
+    the embeddings) and each step's input is its embedding row."""
+    model = _model()
+    cp = model.code_predictor
+    cp.small_to_mtp_projection = torch.nn.Identity()
+    model.fuse_projections()
+    assert cp.inputs_fused() and cp._inputs is None
+    code = torch.tensor([1, 5])
+    assert torch.equal(cp.step_input(code, 2), cp.codec_embedding[2](code))

@@ -45,11 +45,15 @@ class CodePredictor(nn.Module):
         """Project every codebook's embedding table once (``[15, vocab, hidden]``): each step's input is then
         one row gather instead of a gather and a matmul (the CUDA path; same math, rounded once per row as
         the per-step projection would)."""
+        if isinstance(self.small_to_mtp_projection, nn.Identity):  # (0.6B) the input is the embedding row
+            return
         with torch.no_grad():
             table = self.small_to_mtp_projection(torch.cat([e.weight for e in self.codec_embedding]))
         self._inputs = (self._input_key(), table.view(len(self.codec_embedding), -1, table.shape[-1]))
 
     def inputs_fused(self) -> bool:
+        if isinstance(self.small_to_mtp_projection, nn.Identity):
+            return True  # nothing to project: each step gathers its embedding row
         return self._inputs is not None and self._inputs[0] == self._input_key()
 
     def step_input(self, code: torch.Tensor, group: int) -> torch.Tensor:
