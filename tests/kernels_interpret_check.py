@@ -591,6 +591,22 @@ def check_fused_linear_stack() -> None:
                     assert kv_err < rel, (dtype, n, fresh, float(kv_err))
 
 
+def check_bench_gemm_fused_modes() -> None:
+    """``tools/bench_gemm.py --fused`` times each projection's fused call against the torch chain it replaces:
+    the two compute the same thing for every frame matmul's mode (else the sweep compares unlike work)."""
+    from omniloop.gpu.kernels import fused_linear as fl
+    from tools import bench_gemm
+
+    torch.manual_seed(16)
+    for name, n, k in (("cp.qkv", 96, 64), ("cp.o", 64, 128), ("cp.gate_up", 192, 64), ("talker.down", 64, 96),
+                       ("cp.lm_head", 40, 64)):
+        mode = bench_gemm.fused_mode(name)
+        x, w, g = torch.randn(5, k), torch.randn(n, k) / k ** 0.5, torch.rand(k) + 0.5
+        torch.testing.assert_close(bench_gemm._fused(fl, x, w, g, mode), bench_gemm._chain(x, w, g, mode),
+                                   rtol=1e-5, atol=1e-5, msg=name)
+    assert bench_gemm.fused_mode("talker.gate_up") == dict(norm=True, silu=True)
+
+
 def check_snake() -> None:
     """SnakeBeta's kernel in both layouts: NCL ([B, C, T], contiguous along T) and channels-last ([B, C, T]
     stored [B, T, C], as the CUDA decoder keeps its activations), read from a strided slice (a transposed
@@ -631,5 +647,6 @@ if __name__ == "__main__":
     check_fused_stack()
     check_fused_linear()
     check_fused_linear_stack()
+    check_bench_gemm_fused_modes()
     check_snake()
     print("kernels ok")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm]   (default: tests bench)
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [tiles] [gemm]   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
 # the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1,
@@ -55,8 +55,11 @@ for part in "${parts[@]}"; do
           --out "$out/prefill${flags:+-packed}-$commit.json" > "$log" 2>&1
         grep -o '"batch": [0-9]*, "tokens": [0-9]*, "plan_ms": [0-9.]*, "cuda_total_ms": [0-9.]*' "$log" || tail -4 "$log" 
       done ;;
+    tiles)  # fused_linear tile sweep per frame matmul (M = 64, 128) against the torch chain it replaces
+      python3 tools/bench_gemm.py --m 64 128 --fused --out "$out/tiles-$commit.json" > "$out/tiles-$commit.log" 2>&1
+      grep -E '"best"|^fused_linear.TILES' "$out/tiles-$commit.log" || tail -4 "$out/tiles-$commit.log" ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, tiles, gemm)"; exit 2 ;;
   esac
 done

@@ -30,6 +30,9 @@ BLOCK_M = 64
 MAX_ROWS = 256  # decode-sized calls only: larger ones (prefill) go to cuBLAS
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) for every call when set: a knob for on-device tile sweeps
 TILE_OVERRIDE: tuple[int, int, int, int] | None = None
+# measured per shape, (N, K, silu) -> tiles, ahead of the rule in ``tiles`` (``tools/bench_gemm.py --fused``
+# prints the best of its sweep per shape); empty until an H200 run fills it
+TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
 
 
 @triton.jit
@@ -84,6 +87,8 @@ def tiles(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
     ``silu`` holds two accumulators: at most 32 columns (64 took all 255 registers in ptxas for sm_90a)."""
     if TILE_OVERRIDE is not None:
         return TILE_OVERRIDE
+    if (n, k, silu) in TILES:
+        return TILES[n, k, silu]
     block_n = 64 if n >= 64 * 96 else 32 if n >= 32 * 96 else 16
     return min(block_n, 32) if silu else block_n, 128, 4, 4
 
