@@ -31,8 +31,9 @@ MAX_ROWS = 256  # decode-sized calls only: larger ones (prefill) go to cuBLAS
 # (BLOCK_N, BLOCK_K, num_stages, num_warps) for every call when set: a knob for on-device tile sweeps
 TILE_OVERRIDE: tuple[int, int, int, int] | None = None
 # measured per shape, (N, K, silu) -> tiles, ahead of the rule in ``tiles`` (``tools/bench_gemm.py --fused``
-# prints the best of its sweep per shape); empty until an H200 run fills it
-TILES: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+# prints the best of its sweep per shape); None: cuBLAS and separate kernels were faster for that shape, so
+# ``fused_linear`` runs those instead. Empty until an H200 run fills it
+TILES: dict[tuple[int, int, bool], tuple[int, int, int, int] | None] = {}
 
 
 @triton.jit
@@ -81,7 +82,7 @@ def _fused_linear_kernel(a_ptr, w_ptr, out_ptr, g_ptr, res_ptr, M, N, K, a_strid
     tl.store(out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :], y.to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def tiles(n: int, k: int, silu: bool) -> tuple[int, int, int, int]:
+def tiles(n: int, k: int, silu: bool) -> tuple[int, int, int, int] | None:
     """(BLOCK_N, BLOCK_K, num_stages, num_warps) for ``n`` output columns: enough programs to keep the SMs
     streaming weights (>= 64 of them for the shapes of Qwen3-TTS), from n and k only (batch invariance).
     ``silu`` holds two accumulators: at most 32 columns (64 took all 255 registers in ptxas for sm_90a)."""
@@ -122,7 +123,10 @@ def fused_linear(a: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor
             r2 = r2.contiguous()
     if m == 0:
         return out
-    block_n, block_k, stages, warps = tiles(n, k, silu)
+    tile = tiles(n, k, silu)
+    if tile is None:
+        return _separate(a, weight, norm, silu, residual)
+    block_n, block_k, stages, warps = tile
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, BLOCK_M))
     _fused_linear_kernel[grid](a2, weight, out, g, r2, m, n, k, a2.stride(0), r2.stride(0) if r2 is not None else 0,
@@ -130,3 +134,16 @@ def fused_linear(a: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor
                                BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_stages=stages,
                                num_warps=warps)
     return out
+
+
+def _separate(a: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None, silu: bool,
+              residual: torch.Tensor | None) -> torch.Tensor:
+    """``fused_linear``'s result from torch's RMSNorm and matmul (cuBLAS), the SiLU*up kernel and an add: for
+    the shapes where that measured faster (``TILES[...] = None``)."""
+    from omniloop.gpu.kernels.silu_mul import silu_mul
+
+    x = torch.nn.functional.rms_norm(a, (a.shape[-1],), norm[0], norm[1]) if norm is not None else a
+    y = torch.nn.functional.linear(x, weight)
+    if silu:
+        y = silu_mul(y.contiguous())
+    return (residual + y) if residual is not None else y.contiguous()
