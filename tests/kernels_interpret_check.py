@@ -366,35 +366,59 @@ def check_attention_decode_kernel() -> None:
         torch.testing.assert_close(out[1], out[0], rtol=1e-5, atol=1e-5, msg=str((n, slots)))
 
 
-def check_fresh_attention() -> None:
-    """``FUSED_QKV_ATTENTION``: the decode kernel that also normalizes, rotates and stores the new keys
-    (``decode_attention_fresh``) gives ``Attention.forward``'s output and caches of the two-launch path
-    (``qk_norm_rope_cache`` + ``decode_attention``): the code predictor's first step (two new tokens) and a
-    later one, talker decode with and without slots with a row parked on the scratch position; float32 to
-    rounding, float16 to its rounding. Cache positions the step does not write stay untouched."""
-    cfg = DecoderConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+MAX_LEN = 12  # cache positions of the decode checks (+1 scratch)
+
+
+def _decode_stack(hidden: int, num_layers: int, seed: int) -> tuple[DecoderConfig, DecoderStack]:
+    """A small stack whose norms each have their own weight (a norm applied in the wrong place shows)."""
+    cfg = DecoderConfig(vocab_size=32, hidden_size=hidden, intermediate_size=96, num_layers=num_layers, num_heads=4,
                         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
                         mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
-    torch.manual_seed(14)
-    max_len = 12
+    torch.manual_seed(seed)
     stack = DecoderStack(cfg)
     for norm in (m for m in stack.modules() if isinstance(m, RMSNorm)):
         norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5
-    decode = torch.tensor([[4], [max_len], [0]])
-    cases = [(2, 0, None, 2), (1, 2, None, 3), (1, decode, None, 8), (1, decode, torch.tensor([2, 0, 3]), 8)]
+    return cfg, stack
+
+
+def _decode_cases() -> list[tuple]:
+    """(tokens, positions, slots, kv_len): the code predictor's first step (two tokens) and a later one, the
+    talker's decode without and with slots, a row parked on the scratch position among them."""
+    decode = torch.tensor([[4], [MAX_LEN], [0]])
+    return [(2, 0, None, 2), (1, 2, None, 3), (1, decode, None, 8), (1, decode, torch.tensor([2, 0, 3]), 8)]
+
+
+def _kernel_step(stack: DecoderStack, x: torch.Tensor, positions, slots, kv_len: int,  # noqa: ANN001
+                 cache_layer: torch.Tensor) -> "layers.StackStep":
+    """``_step`` as CUDA builds it in half precision: rope rows and decode lengths set (no mask)."""
+    n = x.shape[1]
+    cos_table, _, folded_table = stack.rope.table(MAX_LEN + 1, x.dtype)
+    step = stack._step(x, positions, cache_layer, slots, kv_len)
+    at = (torch.arange(positions, positions + n) if isinstance(positions, int)
+          else positions.clamp(max=MAX_LEN).reshape(-1))
+    lengths = kv_len if isinstance(positions, int) else positions[:, 0] + 1
+    return dataclasses.replace(step, rows=(cos_table[at], folded_table[at]), decode_lengths=lengths, mask=None)
+
+
+def _live(positions, kv_len: int) -> torch.Tensor:  # noqa: ANN001
+    """Rows whose output is used: not parked past the bucket."""
+    return torch.ones(3, dtype=torch.bool) if isinstance(positions, int) else positions[:, 0] < kv_len
+
+
+def check_fresh_attention() -> None:
+    """``FUSED_QKV_ATTENTION``: the decode kernel that also normalizes, rotates and stores the new keys
+    (``decode_attention_fresh``) gives ``Attention.forward``'s output and caches of the two-launch path
+    (``qk_norm_rope_cache`` + ``decode_attention``) in every ``_decode_cases`` case; float32 to rounding,
+    float16 to its rounding. Cache positions the step does not write stay untouched."""
+    cfg, stack = _decode_stack(64, 1, 14)
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         stack.to(dtype)
         stack.fuse()
         attn = stack.layers[0].self_attn
-        cos_table, _, folded_table = stack.rope.table(max_len + 1, dtype)
-        for n, positions, slots, kv_len in cases:
+        for n, positions, slots, kv_len in _decode_cases():
             x = torch.randn(3, n, cfg.hidden_size).to(dtype)
-            cache = torch.randn(2, 1, 4, cfg.num_kv_heads, max_len + 1, cfg.head_dim).to(dtype)
-            step = stack._step(x, positions, cache[0], slots, kv_len)
-            at = (torch.arange(positions, positions + n) if isinstance(positions, int)
-                  else positions.clamp(max=max_len).reshape(-1))
-            lengths = kv_len if isinstance(positions, int) else positions[:, 0] + 1
-            step = dataclasses.replace(step, rows=(cos_table[at], folded_table[at]), decode_lengths=lengths, mask=None)
+            cache = torch.randn(2, 1, 4, cfg.num_kv_heads, MAX_LEN + 1, cfg.head_dim).to(dtype)
+            step = _kernel_step(stack, x, positions, slots, kv_len, cache[0])
             out = {}
             for fresh in (False, True):
                 layers.FUSED_QKV_ATTENTION = fresh
@@ -404,7 +428,7 @@ def check_fresh_attention() -> None:
             layers.FUSED_QKV_ATTENTION = False
             # a row parked on the scratch position (past the bucket) writes there and its output is never
             # used: the two-launch path attends the bucket, this one the bucket's first keys and its new one
-            live = torch.ones(3, dtype=torch.bool) if isinstance(positions, int) else positions[:, 0] < kv_len
+            live = _live(positions, kv_len)
             torch.testing.assert_close(out[True][0][live], out[False][0][live], rtol=tol, atol=tol,
                                        msg=str((dtype, n, slots)))
             for got, want in zip(out[True][1:], out[False][1:]):
@@ -559,34 +583,19 @@ def check_fused_linear_stack() -> None:
     writes the same cache: the code predictor's steps (shared start, one or two tokens) and the talker's
     decode (per-row positions and slots, a scratch row among them). float32 to rounding, float16 to a few
     units in the last place. Every norm has its own weight, so a norm applied in the wrong place fails."""
-    cfg = DecoderConfig(vocab_size=32, hidden_size=48, intermediate_size=96, num_layers=2, num_heads=4,
-                        num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
-                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
-    torch.manual_seed(13)
-    max_len = 12
-    stack = DecoderStack(cfg)
-    for norm in (m for m in stack.modules() if isinstance(m, RMSNorm)):
-        norm.weight.data = torch.rand(norm.weight.shape[0]) + 0.5
-    decode = torch.tensor([[4], [max_len], [0]])
-    cases = [(2, 0, None, 2), (1, 2, None, 3), (1, decode, None, 8), (1, decode, torch.tensor([2, 0, 3]), 8)]
+    cfg, stack = _decode_stack(48, 2, 13)
     for dtype, rel in ((torch.float32, 1e-5), (torch.float16, 1e-2)):
         stack.to(dtype)
         stack.fuse()  # after the cast: fused weights are views of the parameters as they are now
-        cos_table, _, folded_table = stack.rope.table(max_len + 1, dtype)
-        for n, positions, slots, kv_len in cases:
+        for n, positions, slots, kv_len in _decode_cases():
             x = torch.randn(3, n, cfg.hidden_size).to(dtype)
-            cache = torch.randn(2, cfg.num_layers, 4, cfg.num_kv_heads, max_len + 1, cfg.head_dim).to(dtype)
+            cache = torch.randn(2, cfg.num_layers, 4, cfg.num_kv_heads, MAX_LEN + 1, cfg.head_dim).to(dtype)
             with torch.no_grad():
                 want_k, want_v = cache.clone()
-                want = stack(x.float().to(dtype), positions, want_k, want_v, slots, kv_len)
-                step = stack._step(x, positions, cache[0], slots, kv_len)
-                at = (torch.arange(positions, positions + n) if isinstance(positions, int)
-                      else positions.clamp(max=max_len).reshape(-1))
-                lengths = kv_len if isinstance(positions, int) else positions[:, 0] + 1
-                step = dataclasses.replace(step, rows=(cos_table[at], folded_table[at]), decode_lengths=lengths,
-                                           mask=None)
+                want = stack(x, positions, want_k, want_v, slots, kv_len)
+                step = _kernel_step(stack, x, positions, slots, kv_len, cache[0])
             # with FUSED_QKV_ATTENTION too; a row parked past the bucket has an unused output there (not compared)
-            live = torch.ones(3, dtype=torch.bool) if isinstance(positions, int) else positions[:, 0] < kv_len
+            live = _live(positions, kv_len)
             for fresh in (False, True):
                 layers.FUSED_QKV_ATTENTION = fresh
                 k_cache, v_cache = cache.clone()
@@ -597,7 +606,7 @@ def check_fused_linear_stack() -> None:
                 err = (got[live].float() - want[live].float()).norm() / want[live].float().norm()
                 assert err < rel, (dtype, n, fresh, float(err))
                 for have, ref in ((k_cache, want_k), (v_cache, want_v)):  # the scratch position absorbs garbage
-                    have, ref = have[..., :max_len, :].float(), ref[..., :max_len, :].float()
+                    have, ref = have[..., :MAX_LEN, :].float(), ref[..., :MAX_LEN, :].float()
                     kv_err = (have - ref).norm() / ref.norm()
                     assert kv_err < rel, (dtype, n, fresh, float(kv_err))
 
