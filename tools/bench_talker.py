@@ -284,6 +284,25 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str], prefill_graphs: bool 
     return rows
 
 
+def set_variant(name: str) -> None:
+    """The decode kernels of one ``--variants`` entry (every switch back to its default first)."""
+    from omniloop.gpu.kernels import decode_attention, fused_linear
+
+    layers.FUSED_LINEAR = layers.FUSED_QKV_ATTENTION = False
+    decode_attention.NUM_STAGES = fused_linear.TILE_OVERRIDE = None
+    kind, _, arg = name.partition(":")
+    if kind in ("linear", "both", "tiles"):
+        layers.FUSED_LINEAR = True
+    if kind in ("attention", "both", "tiles"):
+        layers.FUSED_QKV_ATTENTION = True
+    if kind == "stages":
+        decode_attention.NUM_STAGES = int(arg)
+    if kind == "tiles":
+        fused_linear.TILE_OVERRIDE = tuple(int(v) for v in arg.split("/"))
+    if kind not in ("off", "linear", "attention", "both", "stages", "tiles"):
+        raise SystemExit(f"unknown variant {name!r}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
@@ -307,6 +326,8 @@ def main() -> None:
                         help="--prefill: prompts packed end to end in token-bucket graphs (prefill_graphs.PACKED)")
     parser.add_argument("--fused-qkv-attention", action="store_true",
                         help="q/k norm+rope and the KV write inside the decode attention (layers.FUSED_QKV_ATTENTION)")
+    parser.add_argument("--variants", help="comma-separated frame variants timed in one process: off, linear, "
+                        "attention, both, stages:N (decode attention depth), tiles:BN/BK/STAGES/WARPS (with both)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_fused_norm_rope:
@@ -351,12 +372,19 @@ def main() -> None:
             with open(args.out, "w") as fh:
                 json.dump(rows, fh, indent=1)
         return
-    rows = bench_pieces(model, args.batch, args.context, args.iters, kernels=args.kernels)
-    for row in rows:
-        per_plan = asyncio.run(_runner_steps(model, row["batch"], args.context, args.runner_steps))
-        row["runner_plan_ms"] = per_plan * 1e3
-        row["runner_frames_per_s"] = row["batch"] / per_plan
-        print(json.dumps(row), flush=True)
+    rows = []
+    for variant in (args.variants.split(",") if args.variants else [None]):
+        if variant is not None:
+            set_variant(variant)
+        for row in bench_pieces(model, args.batch, args.context, args.iters, kernels=args.kernels):
+            if variant is not None:
+                row["variant"] = variant
+            if args.runner_steps > 5:
+                per_plan = asyncio.run(_runner_steps(model, row["batch"], args.context, args.runner_steps))
+                row["runner_plan_ms"] = per_plan * 1e3
+                row["runner_frames_per_s"] = row["batch"] / per_plan
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)

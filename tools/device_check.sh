@@ -5,8 +5,7 @@
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
 # the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1,
 # OMNILOOP_FUSED_QKV_ATTENTION=1 and OMNILOOP_PACKED_PREFILL=1 in the environment run every part with those
-# kernels / graphs (layers.FUSED_*, prefill_graphs.PACKED), e.g. for the pipeline bench; OMNILOOP_TILE_VARIANTS adds
-# fused-matmul tile variants (both:BLOCK_N,BLOCK_K,stages,warps) to the fused part.
+# kernels / graphs (layers.FUSED_*, prefill_graphs.PACKED), e.g. for the pipeline bench.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -31,22 +30,14 @@ for part in "${parts[@]}"; do
       grep '^{"concurrency"' "$out/trace-$commit.txt" ;;
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
-    fused)  # the frame at 64 rows: the default kernels vs the fused decode matmuls / attention, then tile variants
-      for v in off linear attention both stages:2 ${OMNILOOP_TILE_VARIANTS:-}; do  # e.g. "both:16,256,3,4 stages:1"
-        case $v in
-          off) flags=() ;;
-          linear) flags=(--fused-linear) ;;
-          attention) flags=(--fused-qkv-attention) ;;
-          both) flags=(--fused-linear --fused-qkv-attention) ;;
-          stages:*) flags=(--attention-stages "${v#stages:}") ;;
-          *) flags=(--fused-linear --fused-qkv-attention --linear-tiles "${v#both:}") ;;
-        esac
-        echo "fused: $v"
-        log="$out/talker-fused-${v/:/-}-$commit.log"
-        python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 "${flags[@]}" \
-          --out "$out/talker-fused-${v/:/-}-$commit.json" > "$log" 2>&1
-        grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*\|"runner_plan_ms": [0-9.]*' "$log" || tail -4 "$log" 
-      done ;;
+    fused)  # the frame at 64 rows, one process: default kernels vs fused matmuls / fused attention / both, a
+      # shallower decode-attention pipeline; OMNILOOP_FUSED_VARIANTS replaces the list (e.g. adds tiles:32/64/4/4)
+      log="$out/talker-fused-$commit.log"
+      python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 0 \
+        --variants "${OMNILOOP_FUSED_VARIANTS:-off,linear,attention,both,stages:2}" \
+        --out "$out/talker-fused-$commit.json" > "$log" 2>&1
+      grep '"variant"' "$log" | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*\|"variant": "[^"]*"' \
+        | paste -d' ' - - | grep . || tail -4 "$log" ;;
     prefill)  # admission plans through the padded (rows x tokens) prefill graphs vs the packed ones
       for flags in "" --packed-prefill; do
         echo "prefill ${flags:-padded}"
