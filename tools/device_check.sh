@@ -33,7 +33,7 @@ for part in "${parts[@]}"; do
     fused)  # the frame at 64 rows, one process: default kernels vs fused matmuls / fused attention / both, a
       # shallower decode-attention pipeline; OMNILOOP_FUSED_VARIANTS replaces the list (e.g. adds tiles:32/64/4/4)
       log="$out/talker-fused-$commit.log"
-      python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 0 \
+      python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 0 --kernels \
         --variants "${OMNILOOP_FUSED_VARIANTS:-off,linear,attention,both,stages:2}" \
         --out "$out/talker-fused-$commit.json" > "$log" 2>&1
       grep '"variant"' "$log" | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*\|"variant": "[^"]*"' \
