@@ -41,7 +41,8 @@ FUSED_ADD_NORM = True
 # tokens, shared positions) in one Triton kernel that reads each row's cache up to its own length
 # (``gpu/kernels/decode_attention.py``): no SDPA, no per-step mask; a switch so benchmarks can measure SDPA
 FUSED_DECODE_ATTENTION = True
-# CUDA bf16/fp16 decode-sized calls (the talker's decode step, the code predictor's steps): each projection one
+# CUDA bf16/fp16 decode-sized calls through the decode attention kernel (FUSED_DECODE_ATTENTION: the talker's
+# decode step, the code predictor's steps): each projection one
 # Triton matmul with the norm before it / the SiLU*up / the residual add after it in the same launch
 # (``gpu/kernels/fused_linear.py``; ``DecoderStack._forward_fused_linear``): six launches per layer instead of
 # nine or ten. Off until measured against cuBLAS on the H200 (``tools/bench_talker.py --fused-linear``);
