@@ -42,11 +42,10 @@ FUSED_ADD_NORM = True
 # (``gpu/kernels/decode_attention.py``): no SDPA, no per-step mask; a switch so benchmarks can measure SDPA
 FUSED_DECODE_ATTENTION = True
 # CUDA bf16/fp16 decode-sized calls through the decode attention kernel (FUSED_DECODE_ATTENTION: the talker's
-# decode step, the code predictor's steps): each projection one
-# Triton matmul with the norm before it / the SiLU*up / the residual add after it in the same launch
-# (``gpu/kernels/fused_linear.py``; ``DecoderStack._forward_fused_linear``): six launches per layer instead of
-# nine or ten. Off until measured against cuBLAS on the H200 (``tools/bench_talker.py --fused-linear``);
-# ``OMNILOOP_FUSED_LINEAR=1`` turns it on for a whole run
+# decode step, the code predictor's steps): each projection one Triton matmul with the norm before it / the
+# SiLU*up / the residual add after it in the same launch (``gpu/kernels/fused_linear.py``;
+# ``DecoderStack._forward_fused_linear``): six launches per layer instead of nine or ten. Off until measured
+# against cuBLAS on the H200 (``tools/bench_talker.py --variants``); ``OMNILOOP_FUSED_LINEAR=1`` turns it on
 FUSED_LINEAR = os.environ.get("OMNILOOP_FUSED_LINEAR") == "1"
 # CUDA bf16/fp16, with FUSED_KV_WRITE and FUSED_DECODE_ATTENTION: the decode attention kernel also does the q/k
 # norm+rope and the KV write of the new tokens (``decode_attention_fresh``): one launch a layer instead of two.
