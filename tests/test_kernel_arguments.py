@@ -1,0 +1,60 @@
+"""The new decode and prefill kernels refuse malformed arguments before any launch, naming what is wrong (the
+checks run on the host, so this needs neither a GPU nor Triton's interpreter)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def test_packed_attention_refuses_mismatched_shapes() -> None:
+    from omniloop.gpu.kernels.packed_attention import packed_attention, packed_attention_reference
+
+    q, kv = torch.zeros(6, 4, 16), torch.zeros(6, 2, 16)
+    with pytest.raises(ValueError, match="seq_start"):
+        packed_attention(q, kv, kv, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="multiple"):
+        packed_attention_reference(torch.zeros(6, 3, 16), kv, kv, torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="same tokens"):
+        packed_attention(q, torch.zeros(5, 2, 16), torch.zeros(5, 2, 16), torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="power of two"):
+        packed_attention(torch.zeros(6, 4, 24), torch.zeros(6, 2, 24), torch.zeros(6, 2, 24),
+                         torch.zeros(6, dtype=torch.long))
+
+
+def test_fresh_decode_attention_refuses_bad_caches_and_positions() -> None:
+    from omniloop.gpu.kernels.decode_attention import decode_attention_fresh
+
+    b, hq, hkv, d = 2, 4, 2, 16
+    qkv = torch.zeros(b, 1, (hq + 2 * hkv) * d)
+    w, rows = torch.ones(d), torch.zeros(b, d)
+    cache = torch.zeros(3, hkv, 9, d)
+    args = (w, w, 1e-6, rows, rows)
+    with pytest.raises(ValueError, match="heads of 16"):
+        decode_attention_fresh(torch.zeros(b, 1, 100), hq, hkv, *args, cache, cache.clone(), 0, 1)
+    with pytest.raises(ValueError, match="kv heads"):
+        decode_attention_fresh(qkv, hq, hkv, *args, torch.zeros(3, 4, 9, d), torch.zeros(3, 4, 9, d), 0, 1)
+    with pytest.raises(ValueError, match="outside the cache"):
+        decode_attention_fresh(qkv, hq, hkv, *args, cache, cache.clone(), 9, 9)
+    with pytest.raises(ValueError, match="cache positions"):
+        decode_attention_fresh(qkv, hq, hkv, *args, cache, cache.clone(), torch.zeros(3, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="slots for 2 rows"):
+        decode_attention_fresh(qkv, hq, hkv, *args, cache, cache.clone(), 0, 1, None, torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention_fresh(qkv, hq, hkv, *args, cache.half(), cache.half(), 0, 1)
+
+
+def test_packed_layout_and_fused_linear_refuse_what_does_not_fit() -> None:
+    import numpy as np
+
+    from omniloop.gpu.kernels.fused_linear import fused_linear
+    from omniloop.gpu.prefill_graphs import packed_layout
+
+    with pytest.raises(ValueError, match="do not fit"):
+        packed_layout(np.array([3, 0]), np.array([0, 1]), 8, max_len=16)  # an empty prompt
+    with pytest.raises(ValueError, match="norm weight"):
+        fused_linear(torch.zeros(2, 8), torch.zeros(4, 8), norm=(torch.ones(7), 1e-6))
