@@ -8,10 +8,14 @@ host one launch.
 A graph takes pieces that start at position 0 (whole prompts, or the first piece of a long one),
 right-padded to ``tokens`` positions in ``rows`` rows. Since every piece starts at 0, each token attends
 the call's own keys causally (``prefix``: flash attention, no mask, no gather of the slot's cache; the keys
-and values are also written to each row's slot), and a real token never sees the padding after it. Padding tokens and padding rows write their K/V on the scratch position
-(``max_len``) of slot 0 and their outputs are ignored. Pieces that start later (the rest of a chunked
-prompt) run eagerly. All graphs share one memory pool and one input buffer and are captured largest
-first; replays are serialized on the runner's stream.
+and values are also written to each row's slot), and a real token never sees the padding after it. Padding
+tokens and padding rows write their K/V on the scratch position (``max_len``) of slot 0 and their outputs
+are ignored. Pieces that start later (the rest of a chunked prompt) run eagerly. All graphs share one memory
+pool and one input buffer and are captured largest first; replays are serialized on the runner's stream.
+
+``PackedPrefillGraphs`` lays the pieces end to end instead (one graph per total-token bucket). Both offer
+``bucket(lens)`` and ``run(bucket, pieces, slots) -> (hidden, last)``, ``last`` the (row, column) of each
+piece's last token in ``hidden``, so the runner uses either without knowing which.
 """
 
 from __future__ import annotations
@@ -44,51 +48,66 @@ def check_token_buckets(buckets: tuple[int, ...] | list[int]) -> tuple[int, ...]
     return buckets
 
 
-class PrefillGraphs:
-    def __init__(self, state: TalkerState, stream: torch.cuda.Stream, max_rows: int,
-                 max_area: int = MAX_AREA, token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:
+class _CapturedPrefill:
+    """What both prefill graph sets share: one memory pool, a graph per shape captured largest first (after the
+    subclass made the input buffers ``_forward`` reads), replays on the runner's stream."""
+
+    def __init__(self, state: TalkerState, stream: torch.cuda.Stream, shapes: list) -> None:
         self.state = state
-        model = state.model
-        hidden = model.cfg.talker.decoder.hidden_size
-        dev = state.step.device
-        tokens = tuple(t for t in check_token_buckets(token_buckets) if t <= state.max_len)
-        rows = tuple(r for r in ROW_BUCKETS if r < max_rows) + (max_rows,)
-        self.shapes = sorted(((r, t) for r in rows for t in tokens if r * t <= max_area),
-                             key=lambda rt: (rt[0] * rt[1], rt), reverse=True)
-        area = max((r * t for r, t in self.shapes), default=0)
-        self._x = torch.zeros(area, hidden, dtype=model.dtype, device=dev)
-        self._pos = torch.full((area,), state.max_len, dtype=torch.int64, device=dev)
-        self._slots = torch.zeros(max(rows, default=1), dtype=torch.int64, device=dev)
+        self.shapes = shapes
         self._pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict = {}
         with torch.no_grad():
-            for shape in self.shapes:
-                self._graphs[shape] = self._capture(stream, *shape)
+            for shape in shapes:
+                # every position is the scratch one here: warm-up and capture write no slot's real KV
+                self._graphs[shape] = capture(lambda shape=shape: self._forward(shape), stream, self._pool)
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def _forward(self, rows: int, tokens: int) -> torch.Tensor:
-        s = self.state
+    def _forward(self, shape) -> torch.Tensor:  # noqa: ANN001
+        raise NotImplementedError
+
+    def _replay(self, shape) -> torch.Tensor:  # noqa: ANN001
+        graph, out = self._graphs[shape]
+        graph.replay()
+        return out
+
+
+class PrefillGraphs(_CapturedPrefill):
+    def __init__(self, state: TalkerState, stream: torch.cuda.Stream, max_rows: int,
+                 max_area: int = MAX_AREA, token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:
+        model = state.model
+        hidden = model.cfg.talker.decoder.hidden_size
+        dev = state.step.device
+        tokens = tuple(t for t in check_token_buckets(token_buckets) if t <= state.max_len)
+        rows = tuple(r for r in ROW_BUCKETS if r < max_rows) + (max_rows,)
+        shapes = sorted(((r, t) for r in rows for t in tokens if r * t <= max_area),
+                        key=lambda rt: (rt[0] * rt[1], rt), reverse=True)
+        area = max((r * t for r, t in shapes), default=0)
+        self._x = torch.zeros(area, hidden, dtype=model.dtype, device=dev)
+        self._pos = torch.full((area,), state.max_len, dtype=torch.int64, device=dev)
+        self._slots = torch.zeros(max(rows, default=1), dtype=torch.int64, device=dev)
+        super().__init__(state, stream, shapes)
+
+    def _forward(self, shape: tuple[int, int]) -> torch.Tensor:
+        s, (rows, tokens) = self.state, shape
         x = self._x[:rows * tokens].view(rows, tokens, -1)
         pos = self._pos[:rows * tokens].view(rows, tokens)
         return s.model.talker.model(x, pos, s.cache.k, s.cache.v, self._slots[:rows], tokens, prefix=True)
 
-    def _capture(self, stream: torch.cuda.Stream, rows: int, tokens: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # every position is the scratch one here: warm-up and capture write no slot's real KV
-        return capture(lambda: self._forward(rows, tokens), stream, self._pool)
-
-    def bucket(self, num_rows: int, longest: int) -> tuple[int, int] | None:
-        """The captured shape of least area that holds ``num_rows`` pieces of up to ``longest`` tokens (None:
-        none does; run eagerly)."""
-        fits = [(r * t, r, t) for r, t in self._graphs if r >= num_rows and t >= longest]
+    def bucket(self, lens: list[int]) -> tuple[int, int] | None:
+        """The captured shape of least area that holds pieces of ``lens`` tokens, one a row (None: none does;
+        run eagerly)."""
+        fits = [(r * t, r, t) for r, t in self._graphs if r >= len(lens) and t >= max(lens)]
         return min(fits)[1:] if fits else None
 
-    def run(self, bucket: tuple[int, int], pieces: list[torch.Tensor], starts_zero_slots: np.ndarray) -> torch.Tensor:
+    def run(self, bucket: tuple[int, int], pieces: list[torch.Tensor],
+            starts_zero_slots: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """Prefill ``pieces`` (prompt embeds ``[n_i, H]`` from position 0) of slots ``starts_zero_slots`` in
         bucket ``bucket``; returns the hidden states ``[rows, tokens, H]`` (row i = piece i), valid until
-        the next replay."""
+        the next replay, and each piece's last token ``[2, n]`` (its row, its column)."""
         rows, tokens = bucket
         lens = np.array([p.shape[0] for p in pieces], dtype=np.int64)
         offsets = np.concatenate(([0], np.cumsum(lens)[:-1]))
@@ -109,56 +128,43 @@ class PrefillGraphs:
         self._pos[:rows * tokens].copy_(dev[:rows * tokens])
         self._slots[:rows].copy_(dev[rows * tokens:rows * tokens + rows])
         self._x.index_copy_(0, dev[rows * tokens + rows:], torch.cat(pieces).to(self._x.dtype))
-        graph, out = self._graphs[bucket]
-        graph.replay()
-        return out
+        return self._replay(bucket), np.stack((np.arange(len(pieces)), lens - 1))
 
 
-class PackedPrefillGraphs:
+class PackedPrefillGraphs(_CapturedPrefill):
     """The prefill of whole prompts laid end to end (``DecoderStack.forward(..., seq_start=...)``): one graph
     per total-token bucket, so 18 prompts of 218 tokens run as 3,924 tokens padded to 4,096 instead of
     20 x 256 = 5,120. Each token is a row with its own slot and position; token t attends its prompt's keys
     up to itself (``gpu/kernels/packed_attention.py``). Padding tokens are one-token prompts of their own
-    on the scratch position of slot 0, their outputs ignored. Same sharing as ``PrefillGraphs``: one memory
-    pool, one input buffer, captured largest first, replays serialized on the runner's stream."""
+    on the scratch position of slot 0, their outputs ignored."""
 
     def __init__(self, state: TalkerState, stream: torch.cuda.Stream, max_tokens: int = MAX_AREA,
                  buckets: tuple[int, ...] = PACKED_BUCKETS) -> None:
-        self.state = state
         model = state.model
-        hidden = model.cfg.talker.decoder.hidden_size
         dev = state.step.device
-        self.shapes = sorted((t for t in buckets if t <= max_tokens), reverse=True)
-        top = max(self.shapes, default=0)
-        self._x = torch.zeros(top, hidden, dtype=model.dtype, device=dev)
+        shapes = sorted((t for t in buckets if t <= max_tokens), reverse=True)
+        top = max(shapes, default=0)
+        self._x = torch.zeros(top, model.cfg.talker.decoder.hidden_size, dtype=model.dtype, device=dev)
         self._pos = torch.full((top, 1), state.max_len, dtype=torch.int64, device=dev)
         self._slots = torch.zeros(top, dtype=torch.int64, device=dev)
         self._start = torch.arange(top, dtype=torch.int64, device=dev)
-        self._pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        with torch.no_grad():
-            for tokens in self.shapes:
-                # every position is the scratch one here: warm-up and capture write no slot's real KV
-                self._graphs[tokens] = capture(lambda t=tokens: self._forward(t), stream, self._pool)
-
-    @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
+        super().__init__(state, stream, shapes)
 
     def _forward(self, tokens: int) -> torch.Tensor:
         s = self.state
         return s.model.talker.model(self._x[:tokens, None], self._pos[:tokens], s.cache.k, s.cache.v,
                                     self._slots[:tokens], 1, prefix=True, seq_start=self._start[:tokens])
 
-    def bucket(self, total: int) -> int | None:
-        """The smallest captured token count that holds ``total`` tokens (None: none does; run eagerly)."""
-        fits = [t for t in self._graphs if t >= total]
+    def bucket(self, lens: list[int]) -> int | None:
+        """The smallest captured token count that holds pieces of ``lens`` tokens end to end (None: none does;
+        run eagerly)."""
+        fits = [t for t in self._graphs if t >= sum(lens)]
         return min(fits) if fits else None
 
     def run(self, bucket: int, pieces: list[torch.Tensor], slots: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
         """Prefill ``pieces`` (prompt embeds ``[n_i, H]`` from position 0) of ``slots`` in the ``bucket``-token
-        graph; returns the hidden states ``[bucket, 1, H]`` (valid until the next replay) and the row of each
-        piece's last token."""
+        graph; returns the hidden states ``[bucket, 1, H]`` (valid until the next replay) and each piece's last
+        token ``[2, n]`` (its row, column 0)."""
         host, last = packed_layout(np.array([p.shape[0] for p in pieces], dtype=np.int64), slots, bucket,
                                    self.state.max_len)
         dev = to_device(host, self._pos.device)  # one pinned copy
@@ -166,9 +172,7 @@ class PackedPrefillGraphs:
         self._slots[:bucket].copy_(dev[1])
         self._start[:bucket].copy_(dev[2])
         self._x[:int(last[-1]) + 1].copy_(torch.cat(pieces).to(self._x.dtype))
-        graph, out = self._graphs[bucket]
-        graph.replay()
-        return out, last
+        return self._replay(bucket), np.stack((last, np.zeros_like(last)))
 
 
 def packed_layout(lens: np.ndarray, slots: np.ndarray, bucket: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:

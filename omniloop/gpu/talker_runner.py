@@ -26,7 +26,7 @@ from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets, kv_buckets
 from omniloop.gpu.host_copy import to_device
 from omniloop.gpu.kv_budget import module_bytes, size_talker_kv
 from omniloop.gpu.observer import CudaObserver
-from omniloop.gpu import prefill_graphs as packing
+from omniloop.gpu import prefill_graphs as packing  # PACKED, read when a runner starts
 from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, PackedPrefillGraphs, PrefillGraphs
 from omniloop.gpu.runner import CpuRunner, Runner
 from omniloop.gpu.talker_state import TalkerState
@@ -169,23 +169,17 @@ class TalkerSteps:
                 raise ValueError(f"request {seq.req_id!r}: prompt positions up to {end} exceed max_len {max_len}")
             pieces.append(prompt[seq.start:end])
         whole = [i for i, seq in enumerate(seqs) if seq.start == 0] if self.prefill_graphs is not None else []
-        bucket = None
-        if whole and isinstance(self.prefill_graphs, PackedPrefillGraphs):
-            bucket = self.prefill_graphs.bucket(sum(seqs[i].num_tokens for i in whole))
-        elif whole:
-            bucket = self.prefill_graphs.bucket(len(whole), max(seqs[i].num_tokens for i in whole))
+        bucket = self.prefill_graphs.bucket([seqs[i].num_tokens for i in whole]) if whole else None
         graphed = whole if bucket is not None else []
         eager = sorted(set(range(len(seqs))) - set(graphed))
         if graphed:
             slots = np.array([seqs[i].slot for i in graphed], dtype=np.int64)
-            if isinstance(self.prefill_graphs, PackedPrefillGraphs):
-                hidden, last = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)
-                self._park([seqs[i] for i in graphed], hidden, last)
-            else:
-                hidden = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)
-                self._park([seqs[i] for i in graphed], hidden)
+            hidden, last = self.prefill_graphs.run(bucket, [pieces[i] for i in graphed], slots)
+            self._park([seqs[i] for i in graphed], hidden, last)
         if eager:
-            self._park([seqs[i] for i in eager], self._prefill_eager([seqs[i] for i in eager], [pieces[i] for i in eager]))
+            eager_seqs = [seqs[i] for i in eager]
+            last = np.array([np.arange(len(eager)), [seq.num_tokens - 1 for seq in eager_seqs]], dtype=np.int64)
+            self._park(eager_seqs, self._prefill_eager(eager_seqs, [pieces[i] for i in eager]), last)
         for seq in seqs:
             if seq.start + seq.num_tokens == state.prompts[seq.slot].shape[0]:
                 del state.prompts[seq.slot]  # the stream still uses it; the caching allocator orders the reuse
@@ -202,17 +196,13 @@ class TalkerSteps:
         kv_len = max(seq.start + seq.num_tokens for seq in seqs)
         return self.model.talker.model(x, self._h2d(pos), state.cache.k, state.cache.v, self._h2d(slots), kv_len)
 
-    def _park(self, seqs: list[ArSeq], hidden: torch.Tensor, last_rows: np.ndarray | None = None) -> None:
-        """Row i of ``hidden`` is ``seqs[i]``'s piece (or, packed, ``hidden`` is ``[P, 1, H]`` and piece i ends
-        on row ``last_rows[i]``): park the last hidden of each piece that samples."""
+    def _park(self, seqs: list[ArSeq], hidden: torch.Tensor, last: np.ndarray) -> None:
+        """``seqs[i]``'s piece ends at ``hidden[last[0, i], last[1, i]]``: park the last hidden of each piece
+        that samples."""
         sampled = [i for i, seq in enumerate(seqs) if seq.is_sample]
         if not sampled:
             return
-        if last_rows is not None:
-            rows_last = np.array([[last_rows[i], 0] for i in sampled], dtype=np.int64).T.copy()
-        else:
-            rows_last = np.array([[i, seqs[i].num_tokens - 1] for i in sampled], dtype=np.int64).T.copy()
-        rows_last_d = self._h2d(rows_last)
+        rows_last_d = self._h2d(np.ascontiguousarray(last[:, sampled], dtype=np.int64))
         last = hidden[rows_last_d[0], rows_last_d[1]]
         slots = self._h2d(np.array([seqs[i].slot for i in sampled], dtype=np.int64))
         self.state.pending_hidden.index_copy_(0, slots, last.to(self.state.pending_hidden.dtype))
