@@ -212,17 +212,13 @@ class Attention(nn.Module):
         k = s.norm_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim), self.k_norm)
         return q, k, self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
 
-    def _q_writing_kv(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _q_writing_kv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       s: StackStep) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The fused path's q ``[B, L, heads, D]``; the same launch stores x's keys (normalized, rotated) and
+        """The fused path's q ``[B, L, heads, D]`` from the fused projection's rows ``qkv``
+        ``[B, L, (heads + 2 * kv_heads) * D]``; the same launch stores the keys (normalized, rotated) and
         values in the cache where ``forward``'s separate writes would: at ``s.start + l`` of slot ``b``, or at
         the per-row write positions ``s.index[2]`` (already clamped to the scratch position) of ``s.slots``.
-        With ``s.prefix`` also x's keys and values ``[B, L, kv_heads, D]`` (else None)."""
-        return self._q_writing_kv_of(self._fused_qkv(x), k_cache, v_cache, s)
-
-    def _q_writing_kv_of(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         s: StackStep) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``_q_writing_kv`` from the fused projection's rows ``qkv`` ``[B, L, (heads + 2 * kv_heads) * D]``."""
+        With ``s.prefix`` also the keys and values ``[B, L, kv_heads, D]`` (else None)."""
         from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope_cache
 
         positions = s.start if s.start is not None else s.index[2]
@@ -238,13 +234,10 @@ class Attention(nn.Module):
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
         row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
         gathering (a copy)."""
-        if self._fresh_attention(s):
-            return self.o_proj(self.attend_qkv(self._fused_qkv(x), k_cache, v_cache, s))
         if self._is_fused_path(s) and FUSED_KV_WRITE:
-            q, k, v = self._q_writing_kv(x, k_cache, v_cache, s)
-        else:
-            q, k, v = self._qkv(x, s)
-            self._write_kv(k, v, k_cache, v_cache, s)
+            return self.o_proj(self.attend_qkv(self._fused_qkv(x), k_cache, v_cache, s))
+        q, k, v = self._qkv(x, s)
+        self._write_kv(k, v, k_cache, v_cache, s)
         return self.o_proj(self._attend(q, k, v, k_cache, v_cache, s))
 
     def _fresh_attention(self, s: StackStep) -> bool:
@@ -267,7 +260,7 @@ class Attention(nn.Module):
                                          s.kv_len, lengths, s.slots)
             return out.view(b, n, -1)
         if self._is_fused_path(s) and FUSED_KV_WRITE:
-            q, k, v = self._q_writing_kv_of(qkv, k_cache, v_cache, s)
+            q, k, v = self._q_writing_kv(qkv, k_cache, v_cache, s)
         else:
             hd, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
             q = s.norm_rope(qkv[..., :h * hd].view(b, n, h, hd), self.q_norm)
