@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from omniloop.gpu.cuda_graphs import batch_buckets, capture, pick
+from omniloop.gpu.host_copy import to_device
 from omniloop.models.qwen3_tts.speech_decoder import SpeechDecoder
 
 FRAME_BUCKETS = (1, 2, 4, 8, 16, 25, 32)  # the codec scheduler's chunks: 1-2 first, doubling to 25
@@ -202,15 +203,11 @@ class CodecStreams:
             seen.add(slot)
             codes[row, :n] = self._check_codes(req_id, chunk, cfg.num_quantizers, cfg.codebook_size)
             meta[:, row] = n, slot
-        host = torch.from_numpy(buf)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
         self.num_frames_decoded += sum(lens)
         self.num_calls += 1
         if graphs is not None:
-            return graphs.replay(bucket, host)
-        dev = host.to(self.device, non_blocking=True)
-        return self._run(*self._split(dev, rows, frames))
+            return graphs.replay(bucket, buf)
+        return self._run(*self._split(to_device(buf, self.device), rows, frames))
 
     def _split(self, buf: Tensor, rows: int, frames: int) -> tuple[Tensor, Tensor, Tensor]:
         n = rows * frames * self.decoder.cfg.num_quantizers
@@ -314,17 +311,17 @@ class _StepGraphs:
             return 0
         return max((r for r in self.batch if (r, frames) in self.graphs), default=0)
 
-    def replay(self, bucket: tuple[int, int], host: Tensor) -> Tensor:
-        """Copy the step's inputs in, replay; the PCM is valid until the next step."""
+    def replay(self, bucket: tuple[int, int], host: np.ndarray) -> Tensor:
+        """Copy the step's inputs in (one pinned copy), replay; the PCM is valid until the next step."""
         s = self.streams
         # after ``capture_all``, a shape it did not capture (a frame bucket above the scheduler's largest chunk:
         # a clone's first chunk carries its reference frames) runs eagerly: no capture while serving
         if bucket[1] > FRAME_BUCKETS[-1] or (self.limit and bucket not in self.graphs):
-            return s._run(*s._split(host.to(s.device, non_blocking=True), *bucket))
+            return s._run(*s._split(to_device(host, s.device), *bucket))
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(*bucket)
         graph, inp, out = self.graphs[bucket]
-        inp.copy_(host, non_blocking=True)
+        to_device(host, s.device, out=inp)
         graph.replay()
         return out
 
