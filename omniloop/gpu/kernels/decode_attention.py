@@ -137,35 +137,43 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (``o_proj`` reads it as ``[B, L, Hq * D]`` without a copy). A row with no visible key gets zeros. Lengths
     and slots are read on the device: no host sync, graph-capturable."""
     b, n, hq, d = q.shape
-    num_slots, hkv, positions, _ = k_cache.shape
+    hkv, positions = k_cache.shape[1], k_cache.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != d or hq % hkv != 0:
         raise ValueError(f"q {tuple(q.shape)} and caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
                          "are not [B, L, Hq, D] and [S, Hkv, T, D] with Hkv dividing Hq")
     if not 0 < kv_len <= positions:
         raise ValueError(f"kv_len {kv_len} outside the cache's {positions} positions")
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last dim")
+    return _launch(q, q.stride()[:3], (b, n, hq, d), k_cache, v_cache, kv_len, lengths, slots)
+
+
+def _launch(src: torch.Tensor, q_strides: tuple[int, ...], shape: tuple[int, int, int, int], k_cache: torch.Tensor,
+            v_cache: torch.Tensor, kv_len: int, lengths: torch.Tensor | None, slots: torch.Tensor | None,
+            fresh: tuple | None = None) -> torch.Tensor:
+    """What both wrappers share: the rows' lengths and slots checked, the output ``shape`` ``[B, L, Hq, D]``
+    made, the kernel launched over (row, kv head) with the queries of row ``b``, token ``l``, head ``h`` at
+    ``src`` + ``q_strides`` · (b, l, h); ``fresh``: the kernel's new-key arguments (``FRESH``), else none."""
+    b, n, hq, d = shape
+    num_slots, hkv = k_cache.shape[:2]
     if slots is None and b > num_slots:
         raise ValueError(f"{b} rows but only {num_slots} cache slots")
     for name, t in (("lengths", lengths), ("slots", slots)):
         if t is not None and t.numel() != b:
             raise ValueError(f"{t.numel()} {name} for {b} rows")
-    if q.stride(3) != 1:
-        q = q.contiguous()
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache need a contiguous last dim")
-    groups = hq // hkv
-    out = torch.empty((b, n, hq, d), dtype=q.dtype, device=q.device)
+    out = torch.empty(shape, dtype=src.dtype, device=src.device)
     if b == 0:
         return out
-    block_n = min(64, max(16, triton.next_power_of_2(kv_len)))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
+    groups = hq // hkv
     _decode_attention_kernel[(b, hkv)](
-        q, k_cache, v_cache, out, slots, lengths, kv_len, LOG2E / d ** 0.5,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        None, None, None, None, 1, 0.0, None, 0, 0, 0, 0,
+        src, k_cache, v_cache, out, slots, lengths, kv_len, LOG2E / d ** 0.5, *q_strides, *k_cache.stride()[:3],
+        *v_cache.stride()[:3], *(fresh or (None, None, None, None, 1, 0.0, None, 0, 0, 0, 0)),
         L=n, GROUPS=groups, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=max(16, triton.next_power_of_2(n * groups)), BLOCK_N=block_n, PRECISION=precision, FRESH=False,
-        num_warps=4, **_stages())
+        BLOCK_M=max(16, triton.next_power_of_2(n * groups)), BLOCK_N=min(64, max(16, triton.next_power_of_2(kv_len))),
+        PRECISION="ieee" if src.dtype == torch.float32 else "tf32",  # tf32 is ignored for half inputs
+        FRESH=fresh is not None, num_warps=4, **_stages())
     return out
 
 
@@ -202,24 +210,8 @@ def decode_attention_fresh(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
         pos, start = positions.reshape(-1), 0
         if pos.numel() != b * n:
             raise ValueError(f"{pos.numel()} cache positions for {b} x {n} tokens")
-    if slots is None and b > num_slots:
-        raise ValueError(f"{b} rows but only {num_slots} cache slots")
-    for name, t in (("lengths", lengths), ("slots", slots)):
-        if t is not None and t.numel() != b:
-            raise ValueError(f"{t.numel()} {name} for {b} rows")
     if qkv.stride(2) != 1:
         qkv = qkv.contiguous()
-    groups = num_q_heads // num_kv_heads
-    out = torch.empty((b, n, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
-    if b == 0:
-        return out
-    block_n = min(64, max(16, triton.next_power_of_2(kv_len)))
-    precision = "ieee" if qkv.dtype == torch.float32 else "tf32"
-    _decode_attention_kernel[(b, num_kv_heads)](
-        qkv, k_cache, v_cache, out, slots, lengths, kv_len, LOG2E / d ** 0.5,
-        qkv.stride(0), qkv.stride(1), d, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        wq, wk, cos, sin_folded, cos.shape[0], eps, pos, start, max_positions, num_slots, num_q_heads,
-        L=n, GROUPS=groups, D=d, BLOCK_D=d, BLOCK_M=max(16, triton.next_power_of_2(n * groups)), BLOCK_N=block_n,
-        PRECISION=precision, FRESH=True, num_warps=4, **_stages())
-    return out
+    fresh = (wq, wk, cos, sin_folded, cos.shape[0], eps, pos, start, max_positions, num_slots, num_q_heads)
+    return _launch(qkv, (qkv.stride(0), qkv.stride(1), d), (b, n, num_q_heads, d), k_cache, v_cache, kv_len,
+                   lengths, slots, fresh)
