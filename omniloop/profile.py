@@ -53,6 +53,7 @@ class Chunking(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frames: int = 25  # later codec chunks, frames
     max_codec_frames: int | None = None  # hard limit; reaching it ends the request with codec_limit
     urgent_s: float = 0.4  # a client with less audio buffered gets whatever frames there are, not a full chunk
+    join_fraction: float = 0.5  # a stream with this much of its chunk joins a codec step that goes anyway
 
 
 class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -284,5 +285,7 @@ def _check_semantics(p: Profile, path: Path) -> None:
         fail("chunking.max_codec_frames must be >= 1 when set")
     if not c.urgent_s >= 0:
         fail(f"chunking.urgent_s must be >= 0 seconds, got {c.urgent_s}")
+    if not 0 < c.join_fraction <= 1:
+        fail(f"chunking.join_fraction must be in (0, 1], got {c.join_fraction}")
     if p.max_pending < 1 or p.max_text_chars < 1:
         fail("max_pending and max_text_chars must be >= 1")

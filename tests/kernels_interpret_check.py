@@ -558,12 +558,14 @@ def check_fused_linear() -> None:
             alone = fused_linear(a[3:4], w2, norm=(g, eps), silu=True)
             assert torch.equal(alone, cases["silu"][0][3:4]), (dtype, m)  # same bits alone as in the batch
             # a shape measured faster as separate kernels (TILES[...] = None) gives the same result that way
+            saved = dict(fused_linear_module.TILES)
             for key in ((n, k, False), (n, k, True)):
                 fused_linear_module.TILES[key] = None
             separate = {"norm": fused_linear(a, w, norm=(g, eps)),
                         "silu": fused_linear(a, w2, norm=(g, eps), silu=True),
                         "residual": fused_linear(a, w, residual=r)}
             fused_linear_module.TILES.clear()
+            fused_linear_module.TILES.update(saved)
             for mode, got in separate.items():
                 want = cases[mode][1]
                 assert (got.float() - want).abs().max() / want.abs().max() < tol, (dtype, m, mode, "separate")

@@ -239,3 +239,66 @@ def test_a_first_chunk_does_not_wait_for_full_chunks_of_buffered_streams():
     clock.now += 0.1  # b holds 0.38 s now: urgent
     send(sched, "a", 0, 1)
     assert sorted(sizes(sched.schedule())) == [("a", 1), ("b", 8)]
+
+
+def _two_playing_streams(join_fraction: float) -> CodecScheduler:
+    """Streams "a" and "b", 8 frames each played out at t=0 (0.64 s buffered, not urgent), nothing pending."""
+    sched = make(initial_frames=8, frames=8, urgent_s=0.4, join_fraction=join_fraction)
+    for req_id in ("a", "b"):
+        send(sched, req_id, 0, 8)
+        plan = sched.schedule()
+        assert sizes(plan) == [(req_id, 8)]
+        sched.update(plan, decode(plan))
+    return sched
+
+
+def test_a_stream_with_half_a_chunk_rides_along_in_a_step_that_goes_anyway():
+    sched = _two_playing_streams(0.5)
+    send(sched, "b", 8, 3)
+    assert sched.schedule() is None  # 3 < 8 frames, nobody urgent: no step at all
+    send(sched, "a", 8, 8)
+    assert sizes(sched.schedule()) == [("a", 8)]  # b holds 3 < half of 8: it waits
+    send(sched, "b", 11, 1)
+    send(sched, "a", 16, 8)
+    assert sizes(sched.schedule()) == [("a", 8), ("b", 4)]  # now b holds half a chunk: it joins
+    alone = _two_playing_streams(1.0)  # join_fraction 1: only full chunks go
+    send(alone, "a", 8, 8)
+    send(alone, "b", 8, 7)
+    assert sizes(alone.schedule()) == [("a", 8)]
+
+
+def test_staggered_streams_line_up_and_take_fewer_steps_with_nothing_lost():
+    """Two streams fed one frame per tick (a talker step), b starting 3 ticks after a; a step completes before
+    the next tick. Without joining, their chunks stay 3 ticks apart for ever: one step each."""
+    def run(join_fraction: float) -> tuple[int, list]:
+        clock = Clock()
+        sched = make(clock, initial_frames=8, frames=8, urgent_s=0.0, join_fraction=join_fraction)
+        emits, steps = [], 0
+        for tick in range(51):
+            clock.now = tick * 0.01  # far faster than real time: nobody runs dry
+            for req_id, start in (("a", 0), ("b", 3)):
+                frame = tick - start
+                if 0 <= frame < 48:
+                    send(sched, req_id, frame, 1, final=frame == 47, reason="stop")
+            while plan := sched.schedule():
+                steps += 1
+                emits += sched.update(plan, decode(plan))
+        return steps, emits
+
+    (steps_alone, emits_alone), (steps_joined, emits_joined) = run(1.0), run(0.5)
+    assert steps_alone == 14 and steps_joined <= 9, (steps_alone, steps_joined)  # 1 + 5 + 1 each; then together
+    expected = np.repeat(np.arange(48, dtype=np.float32), SAMPLES_PER_FRAME)
+    for emits in (emits_alone, emits_joined):
+        for req_id in ("a", "b"):
+            assert np.array_equal(pcm_of(emits, req_id), expected)  # every frame once, in order
+            assert sum(isinstance(e.msg, Finish) and e.msg.req_id == req_id for e in emits) == 1
+
+
+def test_join_fraction_must_be_a_fraction():
+    for bad in (0.0, 1.5, float("nan")):
+        try:
+            CodecConfig(join_fraction=bad)
+        except ValueError as e:
+            assert "join_fraction" in str(e)
+        else:
+            raise AssertionError(f"join_fraction={bad} was accepted")

@@ -285,22 +285,24 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str], prefill_graphs: bool 
 
 
 def set_variant(name: str) -> None:
-    """The decode kernels of one ``--variants`` entry (every switch back to its default first)."""
+    """The decode kernels of one ``--variants`` entry (every switch back to its default first); parts joined by
+    ``+`` combine, e.g. ``both+stages:2``."""
     from omniloop.gpu.kernels import decode_attention, fused_linear
 
     layers.FUSED_LINEAR = layers.FUSED_QKV_ATTENTION = False
     decode_attention.NUM_STAGES = fused_linear.TILE_OVERRIDE = None
-    kind, _, arg = name.partition(":")
-    if kind in ("linear", "both", "tiles"):
-        layers.FUSED_LINEAR = True
-    if kind in ("attention", "both", "tiles"):
-        layers.FUSED_QKV_ATTENTION = True
-    if kind == "stages":
-        decode_attention.NUM_STAGES = int(arg)
-    if kind == "tiles":
-        fused_linear.TILE_OVERRIDE = tuple(int(v) for v in arg.split("/"))
-    if kind not in ("off", "linear", "attention", "both", "stages", "tiles"):
-        raise SystemExit(f"unknown variant {name!r}")
+    for part in name.split("+"):
+        kind, _, arg = part.partition(":")
+        if kind not in ("off", "linear", "attention", "both", "stages", "tiles"):
+            raise SystemExit(f"unknown variant {part!r} in {name!r}")
+        if kind in ("linear", "both", "tiles"):
+            layers.FUSED_LINEAR = True
+        if kind in ("attention", "both", "tiles"):
+            layers.FUSED_QKV_ATTENTION = True
+        if kind == "stages":
+            decode_attention.NUM_STAGES = int(arg)
+        if kind == "tiles":
+            fused_linear.TILE_OVERRIDE = tuple(int(v) for v in arg.split("/"))
 
 
 def main() -> None:

@@ -5,7 +5,10 @@ then each chunk doubles up to ``frames``, so the client's buffer grows faster th
 whose client has less than ``urgent_s`` of audio buffered (every request before its first audio) is
 decoded with whatever frames it has (at least 1); the others wait for a full chunk, because a step's
 cost grows far slower than its frames (64 streams x 1 frame costs a third of 64 x 8 on an H200) and the
-codec shares the GPU with the talker. Under contention requests nearest to running dry go first, and
+codec shares the GPU with the talker. Once a step goes, every other request holding at least
+``join_fraction`` of its chunk rides along: streams admitted a few talker steps apart would otherwise reach
+their full chunks at different moments forever, and the codec would run many part-filled steps (an H200 trace
+at 64 streams had 47-, 17- and 1-row steps where one 64-row step would do). Under contention requests nearest to running dry go first, and
 ``max_frames_per_step`` caps a step. A step that carries a first chunk carries only urgent requests: a step's
 PCM leaves when its last row is decoded, so first audio must not wait for full chunks of streams that still
 have more than ``urgent_s`` buffered (they go in the next step, which may be in flight at the same time).
@@ -47,10 +50,13 @@ class CodecConfig:
     codebook_size: int = 2048
     num_codebooks: int = 16
     urgent_s: float = 0.4  # less buffered than this: decode what is there (see the module doc)
+    join_fraction: float = 0.5  # in a step that goes anyway, a request with this much of its chunk rides along
 
     def __post_init__(self) -> None:
         if not self.urgent_s >= 0:
             raise ValueError(f"urgent_s must be >= 0, got {self.urgent_s}")
+        if not 0 < self.join_fraction <= 1:
+            raise ValueError(f"join_fraction must be in (0, 1], got {self.join_fraction}")
         if not 1 <= self.initial_frames <= self.frames <= self.max_frames_per_step:
             raise ValueError(
                 "need 1 <= initial_frames <= frames <= max_frames_per_step, got "
@@ -133,13 +139,18 @@ class CodecScheduler:
         budget = self.config.max_frames_per_step
         plan = CodecStepPlan(step_id=self._next_step_id, seqs=[])
         reqs: list[CodecRequest] = []
-        ready = [req for req in self._reqs.values() if req.num_available]
+        ready = by_deadline([req for req in self._reqs.values() if req.num_available], now)
+        # a step goes when some request has a full chunk, is urgent or is draining; then the others that hold
+        # at least join_fraction of their chunk ride along (their phases line up with it: fewer, fuller steps)
+        if not any(req.final_reason is not None or req.num_available >= self._min_frames(req, now)
+                   for req in ready):
+            return None
         first_audio = False  # the step carries a chunk of a request that has played nothing yet
-        for req in by_deadline(ready, now):
+        for req in ready:
             if budget == 0:
                 break
             size = self._chunk_size(req)
-            if req.final_reason is None and req.num_available < self._min_frames(req, size, now):
+            if req.final_reason is None and req.num_available < self._join_frames(req, size, now):
                 continue
             waits_for_first = req.playback.first_audio_at is None
             if first_audio and not waits_for_first and now < self._urgent_at(req):
@@ -239,11 +250,15 @@ class CodecScheduler:
         """The ramp: initial_frames, doubling each step, up to ``frames``."""
         return min(self.config.frames, req.initial_frames << min(req.num_steps, 16))
 
-    def _min_frames(self, req: CodecRequest, size: int, now: float) -> int:
-        """Frames this request should have before its next chunk is worth a step."""
+    def _min_frames(self, req: CodecRequest, now: float) -> int:
+        """Frames this request should have before its next chunk is worth a step of its own."""
         if now >= self._urgent_at(req):
             return 1  # the client is (nearly) dry: go with what there is
-        return size
+        return self._chunk_size(req)
+
+    def _join_frames(self, req: CodecRequest, size: int, now: float) -> int:
+        """Frames this request should have to ride along in a step that goes anyway."""
+        return min(self._min_frames(req, now), max(1, math.ceil(size * self.config.join_fraction)))
 
     def _urgent_at(self, req: CodecRequest) -> float:
         """When the client's buffer falls to ``urgent_s`` (slack = urgent_s); -inf before its first audio (it

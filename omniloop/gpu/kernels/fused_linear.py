@@ -32,8 +32,17 @@ MAX_ROWS = 256  # decode-sized calls only: larger ones (prefill) go to cuBLAS
 TILE_OVERRIDE: tuple[int, int, int, int] | None = None
 # measured per shape, (N, K, silu) -> tiles, ahead of the rule in ``tiles`` (``tools/bench_gemm.py --fused``
 # prints the best of its sweep per shape); None: cuBLAS and separate kernels were faster for that shape, so
-# ``fused_linear`` runs those instead. Empty until an H200 run fills it
-TILES: dict[tuple[int, int, bool], tuple[int, int, int, int] | None] = {}
+# ``fused_linear`` runs those instead. From the H200 sweep at 4219e78 (benchmarks/talker-steps.md, M = 64 and
+# 128, 1.7B): only the residual-epilogue shapes (O and down projections) and the code predictor's head beat
+# cuBLAS; with RMSNorm in or SiLU*up out the Triton matmul was 1.3-3x slower. (1024, 2048) is both the code
+# predictor's O projection (fused wins 6.3 vs 7.2 us, 75 calls a frame) and its input projection (loses
+# 6.2 vs 5.8 us, one call): the O projection's tiles.
+TILES: dict[tuple[int, int, bool], tuple[int, int, int, int] | None] = {
+    (4096, 2048, False): None, (2048, 2048, False): (32, 128, 4, 4), (6144, 2048, True): None,
+    (2048, 6144, False): None, (4096, 1024, False): None, (1024, 2048, False): (16, 256, 3, 4),
+    (3072, 1024, True): None, (1024, 3072, False): (16, 256, 3, 4), (3072, 2048, False): None,
+    (2048, 1024, False): (32, 128, 4, 4),
+}
 
 
 @triton.jit

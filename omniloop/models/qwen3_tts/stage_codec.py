@@ -144,5 +144,6 @@ def build_codec(stage: Any, profile: Any) -> Worker:
         stage=stage.name, max_num_seqs=stage.max_num_seqs,
         max_frames_per_step=max(stage.max_num_tokens, frames),
         initial_frames=chunking.initial_frames, frames=frames, urgent_s=chunking.urgent_s,
+        join_fraction=chunking.join_fraction,
     ))
     return Worker(scheduler, CodecRunner(streams, name=stage.name))
