@@ -86,7 +86,6 @@ def launch_all() -> None:
     from omniloop.gpu.kernels.add_rms_norm import add_rms_norm
     from omniloop.gpu.kernels.counter_hash import counter_uniform_cuda
     from omniloop.gpu.kernels.decode_attention import decode_attention, decode_attention_fresh
-    from omniloop.gpu.kernels.fused_linear import fused_linear
     from omniloop.gpu.kernels.packed_attention import packed_attention
     from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache
     from omniloop.gpu.kernels.sampler import sample_rows
@@ -98,10 +97,6 @@ def launch_all() -> None:
     for hidden, inter in ((2048, 6144), (1024, 3072)):  # talker, code predictor
         x = torch.empty(rows, hidden, dtype=bf)
         g = torch.empty(hidden, dtype=bf)
-        fused_linear(x, torch.empty(4096, hidden, dtype=bf), norm=(g, 1e-6))
-        fused_linear(x, torch.empty(2 * inter, hidden, dtype=bf), norm=(g, 1e-6), silu=True)
-        fused_linear(torch.empty(rows, 2048, dtype=bf), torch.empty(hidden, 2048, dtype=bf), residual=x)
-        fused_linear(torch.empty(rows, inter, dtype=bf), torch.empty(hidden, inter, dtype=bf), residual=x)
         add_rms_norm(x, torch.empty_like(x), g, 1e-6)
         silu_mul(torch.empty(rows, 2 * inter, dtype=bf))
     heads, kv_heads, d, slots, max_len = 16, 8, 128, 64, 1024
@@ -142,6 +137,7 @@ def launch_all() -> None:
     for channels_last in (True, False):  # the codec's convs run either layout (forward picks it on CUDA)
         act = torch.empty(8, 96, 1920 * 8, dtype=bf)
         snake._fused(act, torch.empty_like(act), channels_last)
+        snake._fused(act, torch.empty_like(act), channels_last, torch.empty(96, dtype=bf))  # + a conv's bias
 
 
 if __name__ == "__main__":

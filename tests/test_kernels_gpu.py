@@ -438,45 +438,8 @@ def test_stack_with_decode_attention_kernel_matches_sdpa(monkeypatch: pytest.Mon
 
 
 @torch.no_grad()
-def test_fused_linear_matches_torch_and_is_batch_invariant() -> None:
-    """The decode matmul with its norm / SiLU*up / residual against torch's bf16 ops on the shapes of
-    Qwen3-TTS-1.7B (talker 2048 -> 4096 / 6144, code predictor 1024 -> 4096 / 3072 and back) at 1, 64 and 128
-    rows, and a row's bits the same alone as in a batch of 64 (tiles follow N and K only)."""
-    from omniloop.gpu.kernels.fused_linear import fused_linear
-
-    torch.manual_seed(3)
-    eps, dev, bf = 1e-6, "cuda", torch.bfloat16
-    for k, n_qkv, inter in ((2048, 4096, 6144), (1024, 4096, 3072)):
-        g = (torch.rand(k, device=dev) + 0.5).to(bf)
-        w_qkv = (torch.randn(n_qkv, k, device=dev) / k ** 0.5).to(bf)
-        w_gu = (torch.randn(2 * inter, k, device=dev) / k ** 0.5).to(bf)
-        w_down = (torch.randn(k, inter, device=dev) / inter ** 0.5).to(bf)
-        for m in (1, 64, 128):
-            x = torch.randn(m, k, device=dev).to(bf)
-            act_in = torch.randn(m, inter, device=dev).to(bf)
-            normed = torch.nn.functional.rms_norm(x, (k,), g, eps)
-            gu = torch.nn.functional.linear(normed, w_gu)
-            cases = {
-                "qkv": (fused_linear(x, w_qkv, norm=(g, eps)), torch.nn.functional.linear(normed, w_qkv)),
-                "gate_up": (fused_linear(x, w_gu, norm=(g, eps), silu=True),
-                            torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]),
-                "down": (fused_linear(act_in, w_down, residual=x), x + torch.nn.functional.linear(act_in, w_down)),
-            }
-            for name, (got, want) in cases.items():
-                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                assert err < 1e-2, (k, m, name, err)
-            if m == 64:
-                for name, alone in (("qkv", fused_linear(x[9:10], w_qkv, norm=(g, eps))),
-                                    ("gate_up", fused_linear(x[9:10], w_gu, norm=(g, eps), silu=True)),
-                                    ("down", fused_linear(act_in[9:10], w_down, residual=x[9:10]))):
-                    assert torch.equal(alone, cases[name][0][9:10]), (k, name)
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("flag", ["FUSED_LINEAR", "FUSED_QKV_ATTENTION"])
-def test_stack_with_fused_decode_kernels_matches_the_fused_stack(monkeypatch: pytest.MonkeyPatch, flag: str) -> None:
-    """``FUSED_LINEAR`` (``_forward_fused_linear``) or ``FUSED_QKV_ATTENTION`` (``decode_attention_fresh``)
-    on: the bf16 stack's decode-sized calls (talker decode with slots and a row parked on the scratch
+def test_stack_with_fresh_decode_attention_matches_the_fused_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FUSED_QKV_ATTENTION`` (``decode_attention_fresh``) on vs off: the bf16 stack's decode-sized calls (talker decode with slots and a row parked on the scratch
     position, the code predictor's steps) take the new kernels and match the path they replace to bf16
     rounding, caches included (the parked row's output is unused: not compared); a prefill keeps the old
     path."""
@@ -485,14 +448,9 @@ def test_stack_with_fused_decode_kernels_matches_the_fused_stack(monkeypatch: py
 
     cfg, stack = _tiny_stack(torch.bfloat16)
     runs = []
-    if flag == "FUSED_LINEAR":
-        real = layers.DecoderStack._forward_fused_linear
-        monkeypatch.setattr(layers.DecoderStack, "_forward_fused_linear", lambda *a: runs.append(1) or real(*a))
-        per_call = 1
-    else:
-        real = attention_kernels.decode_attention_fresh
-        monkeypatch.setattr(attention_kernels, "decode_attention_fresh", lambda *a: runs.append(1) or real(*a))
-        per_call = cfg.num_layers
+    real = attention_kernels.decode_attention_fresh
+    monkeypatch.setattr(attention_kernels, "decode_attention_fresh", lambda *a: runs.append(1) or real(*a))
+    per_call = cfg.num_layers
     h, max_len, dev = cfg.hidden_size, 40, "cuda"
     k, v = (torch.randn(cfg.num_layers, 6, cfg.num_kv_heads, max_len + 1, cfg.head_dim, device=dev,
                         dtype=torch.bfloat16) for _ in range(2))
@@ -507,7 +465,7 @@ def test_stack_with_fused_decode_kernels_matches_the_fused_stack(monkeypatch: py
     for name, (inp, positions, slots, kv_len, decode_sized) in calls_of.items():
         out = {}
         for fused in (True, False):
-            monkeypatch.setattr(layers, flag, fused)
+            monkeypatch.setattr(layers, "FUSED_QKV_ATTENTION", fused)
             runs.clear()
             kc, vc = k.clone(), v.clone()
             # the scratch position (max_len) absorbs the parked row's writes: not compared

@@ -122,12 +122,18 @@ def main() -> None:
     ap.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                     help="the decoder's conv layout (default: the tree's default, channels-last on CUDA where "
                          "the tree has it)")
+    ap.add_argument("--no-fold-bias", action="store_true",
+                    help="the residual units' conv biases as separate passes (speech_layers.FOLD_CONV_BIAS off)")
     ap.add_argument("--json", default="")
     ap.add_argument("--warmup", type=int, nargs="*",
                     help="only: capture every graph bucket up to rows x frames <= N (each N in a fresh pool), "
                          "reporting graphs, seconds and reserved GiB")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.no_fold_bias:
+        from omniloop.models.qwen3_tts import speech_layers
+
+        speech_layers.FOLD_CONV_BIAS = False
     torch.backends.cudnn.benchmark = not args.cudnn_heuristics
     if args.convs:
         bench_convs(64, 8, dtype)

@@ -8,12 +8,9 @@ with the bytes it must read (weights + activations) and the achieved fraction of
 
     python tools/bench_gemm.py --m 64 [--reps 50] [--out gemm.json]      # on the GPU
     python tools/bench_gemm.py --dry-run                                  # the shapes and floors only (any machine)
-    python tools/bench_gemm.py --m 64 --fused [--out fused.json]          # fused_linear tile sweep (GPU)
 
-``--fused``: each projection as the frame runs it with ``layers.FUSED_LINEAR`` (qkv and gate/up with the RMSNorm
-before them, gate/up with SiLU*up, o and down with the residual add) through ``gpu/kernels/fused_linear.py`` at
-each tile of ``FUSED_TILES``, against the same work in torch (``F.rms_norm`` / ``F.linear`` / SiLU*up / add, the
-kernels it replaces); prints the best tile per shape in ``fused_linear.TILES``'s form.
+A Triton matmul with the RMSNorm / SiLU*up / residual add fused in was swept against these cuBLAS calls at
+4219e78 and lost (benchmarks/talker-steps.md, "Fused decode matmuls"); it was removed.
 """
 
 from __future__ import annotations
@@ -54,33 +51,10 @@ def floor_us(m: int, n: int, k: int, elem: int = 2) -> float:
     return (n * k + m * k + m * n) * elem / COPY_BYTES_PER_S * 1e6
 
 
-FUSED_TILES = ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 3, 4), (32, 64, 4, 4), (64, 64, 4, 4),
-               (128, 64, 3, 8))
-
-
-def fused_mode(name: str) -> dict:
-    """What ``_forward_fused_linear`` does around each projection (heads and the input projection: plain)."""
-    kind = name.split(".", 1)[1]
-    return dict(qkv=dict(norm=True), gate_up=dict(norm=True, silu=True), o=dict(residual=True),
-                down=dict(residual=True)).get(kind, {})
-
-
-def _torch_chain(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, norm: bool = False, silu: bool = False,
-                 residual: bool = False) -> torch.Tensor:
-    h = torch.nn.functional.rms_norm(x, (x.shape[-1],), g, 1e-6) if norm else x
-    y = torch.nn.functional.linear(h, w)
-    if silu:
-        half = y.shape[-1] // 2
-        y = torch.nn.functional.silu(y[:, :half]) * y[:, half:]
-    return y + x[:, :y.shape[-1]] if residual else y
-
-
 @torch.no_grad()
-def time_us(m: int, n: int, k: int, reps: int, call=None) -> float:
-    """µs per call of ``call(x, w, g)`` (default ``F.linear(x, w)``) over ``reps`` calls replayed from one graph."""
-    call = call or (lambda x, w, g: torch.nn.functional.linear(x, w))
+def time_us(m: int, n: int, k: int, reps: int) -> float:
+    """µs per ``F.linear(x, w)`` over ``reps`` calls replayed from one graph."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
     # distinct weight copies, more bytes than the H200's 50 MB L2 together, used in turn: in the frame every
     # layer reads its own weights, so timing one weight over and over would read it from L2
     copies = min(reps, max(2, -(-L2_BYTES * 2 // (n * k * 2))))
@@ -89,12 +63,12 @@ def time_us(m: int, n: int, k: int, reps: int, call=None) -> float:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for w in ws[:3]:
-            call(x, w, g)
+            torch.nn.functional.linear(x, w)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(reps):
-            call(x, ws[i % copies], g)
+            torch.nn.functional.linear(x, ws[i % copies])
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -111,18 +85,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--size", default="1.7b")
     parser.add_argument("--dry-run", action="store_true", help="shapes and floors only")
-    parser.add_argument("--fused", action="store_true", help="fused_linear tile sweep against the torch chain")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU (or --dry-run)")
-    if args.fused:
-        results = sweep_fused(args.m, args.reps, args.size)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps,
-                               rows=results), f, indent=1)
-        return
     results = []
     for m in args.m:
         total_us = total_floor = 0.0
@@ -145,62 +111,6 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name() if not args.dry_run else None,
                            torch=torch.__version__, reps=args.reps, rows=results), f, indent=1)
-
-
-def sweep_fused(ms: list[int], reps: int, size: str) -> list[dict]:
-    from omniloop.gpu.kernels import fused_linear as fl
-
-    results, best = [], {}
-    for m in ms:
-        for row in frame_matmuls(size):
-            mode = fused_mode(row["name"])
-            # a [gate; up] weight of 2N rows gives N outputs; a residual needs outputs of the input's width
-            n, k = row["n"], row["k"]
-            r = dict(row, m=m, mode=sorted(mode), torch_us=round(time_us(m, n, k, reps,
-                                                                        lambda x, w, g: _chain(x, w, g, mode)), 2))
-            for tile in FUSED_TILES:
-                fl.TILE_OVERRIDE = tile
-                try:
-                    us = time_us(m, n, k, reps, lambda x, w, g: _fused(fl, x, w, g, mode))
-                except Exception as exc:  # noqa: BLE001 - a tile the compiler refuses (shared memory) is skipped
-                    r[str(tile)] = f"failed: {type(exc).__name__}"
-                    continue
-                finally:
-                    fl.TILE_OVERRIDE = None
-                r[str(tile)] = round(us, 2)
-            timed = {t: v for t, v in r.items() if t.startswith("(") and isinstance(v, float)}
-            if timed:
-                r["best"] = min(timed, key=timed.get)
-                if timed[r["best"]] >= r["torch_us"]:
-                    r["best"] = "torch"  # TILES[...] = None: fused_linear runs the separate kernels
-                best[(n // 2 if mode.get("silu") else n, k, bool(mode.get("silu")))] = r["best"]
-            results.append(r)
-            print(json.dumps(r), flush=True)
-    print("fused_linear.TILES =", {key: None if t == "torch" else tuple(int(v) for v in t.strip("()").split(","))
-                                   for key, t in best.items()})
-    return results
-
-
-def _chain(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, mode: dict) -> torch.Tensor:
-    if mode.get("residual"):
-        return _torch_chain(x, w, g, residual=False) + _residual(x, w)
-    return _torch_chain(x, w, g, **mode)
-
-
-def _residual(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A residual of the output's shape, cached per (rows, N): the frame reads one, it is not timed to build."""
-    key = (x.shape[0], w.shape[0], x.device)
-    if key not in _RESIDUALS:
-        _RESIDUALS[key] = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-    return _RESIDUALS[key]
-
-
-_RESIDUALS: dict = {}
-
-
-def _fused(fl, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, mode: dict) -> torch.Tensor:  # noqa: ANN001
-    return fl.fused_linear(x, w, norm=(g, 1e-6) if mode.get("norm") else None, silu=bool(mode.get("silu")),
-                           residual=_residual(x, w) if mode.get("residual") else None)
 
 
 if __name__ == "__main__":

@@ -286,23 +286,19 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str], prefill_graphs: bool 
 
 def set_variant(name: str) -> None:
     """The decode kernels of one ``--variants`` entry (every switch back to its default first); parts joined by
-    ``+`` combine, e.g. ``both+stages:2``."""
-    from omniloop.gpu.kernels import decode_attention, fused_linear
+    ``+`` combine, e.g. ``attention+stages:2``."""
+    from omniloop.gpu.kernels import decode_attention
 
-    layers.FUSED_LINEAR = layers.FUSED_QKV_ATTENTION = False
-    decode_attention.NUM_STAGES = fused_linear.TILE_OVERRIDE = None
+    layers.FUSED_QKV_ATTENTION = False
+    decode_attention.NUM_STAGES = None
     for part in name.split("+"):
         kind, _, arg = part.partition(":")
-        if kind not in ("off", "linear", "attention", "both", "stages", "tiles"):
+        if kind not in ("off", "attention", "stages"):
             raise SystemExit(f"unknown variant {part!r} in {name!r}")
-        if kind in ("linear", "both", "tiles"):
-            layers.FUSED_LINEAR = True
-        if kind in ("attention", "both", "tiles"):
+        if kind == "attention":
             layers.FUSED_QKV_ATTENTION = True
         if kind == "stages":
             decode_attention.NUM_STAGES = int(arg)
-        if kind == "tiles":
-            fused_linear.TILE_OVERRIDE = tuple(int(v) for v in arg.split("/"))
 
 
 def main() -> None:
@@ -319,39 +315,31 @@ def main() -> None:
     parser.add_argument("--prefill", nargs="*", help="only prefill plans of BxL, e.g. 1x120 36x120")
     parser.add_argument("--no-prefill-graphs", action="store_true", help="--prefill: the eager prefill")
     parser.add_argument("--kernels", action="store_true", help="also list the kernels of one frame by launches")
-    parser.add_argument("--fused-linear", action="store_true",
-                        help="decode-sized projections through gpu/kernels/fused_linear.py (layers.FUSED_LINEAR)")
-    parser.add_argument("--linear-tiles", help="with --fused-linear: BLOCK_N,BLOCK_K,stages,warps for every call")
     parser.add_argument("--attention-stages", type=int,
                         help="software-pipeline depth of the decode attention's key loop (decode_attention.NUM_STAGES)")
-    parser.add_argument("--packed-prefill", action="store_true",
-                        help="--prefill: prompts packed end to end in token-bucket graphs (prefill_graphs.PACKED)")
-    parser.add_argument("--fused-qkv-attention", action="store_true",
-                        help="q/k norm+rope and the KV write inside the decode attention (layers.FUSED_QKV_ATTENTION)")
-    parser.add_argument("--variants", help="comma-separated frame variants timed in one process: off, linear, "
-                        "attention, both, stages:N (decode attention depth), tiles:BN/BK/STAGES/WARPS (with both)")
+    parser.add_argument("--padded-prefill", action="store_true",
+                        help="--prefill: the (rows x tokens) graphs instead of packed prompts (prefill_graphs.PACKED)")
+    parser.add_argument("--no-fused-qkv-attention", action="store_true",
+                        help="q/k norm+rope and KV write apart from the decode attention (layers.FUSED_QKV_ATTENTION)")
+    parser.add_argument("--variants", help="comma-separated frame variants timed in one process: off, attention "
+                        "(q/k norm+rope and KV write in the decode attention), stages:N (its key-loop depth); "
+                        "combined with +")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_fused_norm_rope:
         layers.FUSED_NORM_ROPE = False
     if args.no_fused_decode_attention:
         layers.FUSED_DECODE_ATTENTION = False
-    if args.fused_linear:
-        layers.FUSED_LINEAR = True
-    if args.fused_qkv_attention:
-        layers.FUSED_QKV_ATTENTION = True
+    if args.no_fused_qkv_attention:
+        layers.FUSED_QKV_ATTENTION = False
     if args.attention_stages:
         from omniloop.gpu.kernels import decode_attention
 
         decode_attention.NUM_STAGES = args.attention_stages
-    if args.packed_prefill:
+    if args.padded_prefill:
         from omniloop.gpu import prefill_graphs
 
-        prefill_graphs.PACKED = True
-    if args.linear_tiles:
-        from omniloop.gpu.kernels import fused_linear
-
-        fused_linear.TILE_OVERRIDE = tuple(int(v) for v in args.linear_tiles.split(","))
+        prefill_graphs.PACKED = False
     torch.manual_seed(0)
     configure_cuda_stage()  # as every GPU stage of the engine runs (cuDNN attention off)
     cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))  # the released 1.7B shapes
@@ -362,7 +350,6 @@ def main() -> None:
                 p.normal_(0.0, 0.02)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"fused norm+rope {layers.FUSED_NORM_ROPE}, fused decode attention {layers.FUSED_DECODE_ATTENTION}, "
-          f"fused linear {layers.FUSED_LINEAR} (tiles {args.linear_tiles or 'default'}), "
           f"fused qkv attention {layers.FUSED_QKV_ATTENTION}, "
           f"talker-stage weights {module_bytes(model) / 1e9:.2f} GB", flush=True)
     if args.compile or args.sampling or args.prefill:

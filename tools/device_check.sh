@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [tiles] [gemm]   (default: tests bench)
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm]   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
-# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_LINEAR=1,
-# OMNILOOP_FUSED_QKV_ATTENTION=1 and OMNILOOP_PACKED_PREFILL=1 in the environment run every part with those
-# kernels / graphs (layers.FUSED_*, prefill_graphs.PACKED), e.g. for the pipeline bench.
+# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_QKV_ATTENTION=0 or
+# OMNILOOP_PACKED_PREFILL=0 in the environment run every part without those kernels / graphs (layers.FUSED_QKV_ATTENTION,
+# prefill_graphs.PACKED). The serve tests need the openai client, which the device image lacks: they are left out.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -18,7 +18,7 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case $part in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -3 ;;  # every GPU-marked test
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore-glob='tests/test_serve_*' 2>&1 | tail -3 ;;  # every GPU-marked test
     bench)
       python3 -m omniloop bench qwen3_tts --model builtin:1.7b --concurrency 1,8,64 --max-frames 100 --repeat 3 \
         --out "$out/pipeline-$commit.json" 2>&1 | grep '^{"concurrency"'
@@ -30,27 +30,24 @@ for part in "${parts[@]}"; do
       grep '^{"concurrency"' "$out/trace-$commit.txt" ;;
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
-    fused)  # the frame at 64 rows, one process: default kernels vs fused matmuls / fused attention / both, a
-      # shallower decode-attention pipeline; OMNILOOP_FUSED_VARIANTS replaces the list (e.g. adds tiles:32/64/4/4)
+    fused)  # the frame at 64 rows, one process: decode attention with / without the q/k norm+rope and KV write,
+      # a shallower key-loop pipeline; OMNILOOP_FUSED_VARIANTS replaces the list
       log="$out/talker-fused-$commit.log"
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 0 --kernels \
-        --variants "${OMNILOOP_FUSED_VARIANTS:-off,linear,attention,both,stages:2}" \
+        --variants "${OMNILOOP_FUSED_VARIANTS:-off,attention,stages:2,attention+stages:2}" \
         --out "$out/talker-fused-$commit.json" > "$log" 2>&1
       grep '"variant"' "$log" | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*\|"variant": "[^"]*"' \
         | paste -d' ' - - | grep . || tail -4 "$log" ;;
-    prefill)  # admission plans through the padded (rows x tokens) prefill graphs vs the packed ones
-      for flags in "" --packed-prefill; do
-        echo "prefill ${flags:-padded}"
-        log="$out/prefill${flags:+-packed}-$commit.log"
+    prefill)  # admission plans through the packed prefill graphs vs the padded (rows x tokens) ones
+      for flags in "" --padded-prefill; do
+        echo "prefill ${flags:-packed}"
+        log="$out/prefill${flags:+-padded}-$commit.log"
         python3 tools/bench_talker.py --prefill 1x120 4x218 18x218 $flags \
-          --out "$out/prefill${flags:+-packed}-$commit.json" > "$log" 2>&1
+          --out "$out/prefill${flags:+-padded}-$commit.json" > "$log" 2>&1
         grep -o '"batch": [0-9]*, "tokens": [0-9]*, "plan_ms": [0-9.]*, "cuda_total_ms": [0-9.]*' "$log" || tail -4 "$log" 
       done ;;
-    tiles)  # fused_linear tile sweep per frame matmul (M = 64, 128) against the torch chain it replaces
-      python3 tools/bench_gemm.py --m 64 128 --fused --out "$out/tiles-$commit.json" > "$out/tiles-$commit.log" 2>&1
-      grep -E '"best"|^fused_linear.TILES' "$out/tiles-$commit.log" || tail -4 "$out/tiles-$commit.log" ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, tiles, gemm)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm)"; exit 2 ;;
   esac
 done

@@ -33,8 +33,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 20, 24, 32, 48, 64)
 TOKEN_BUCKETS = (32, 64, 128, 192, 256, 320, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 MAX_AREA = 8192  # rows x tokens of the largest graph (twice the profile's 4096-token step budget)
 # Packed prompts instead (``PackedPrefillGraphs``): one graph per total-token bucket, no row padding and no
-# per-row token padding. Off until measured on the H200; ``OMNILOOP_PACKED_PREFILL=1`` turns it on for a run
-PACKED = os.environ.get("OMNILOOP_PACKED_PREFILL") == "1"
+# per-row token padding (H200, 1.7B, an 18 x 218-token admission plan: 28.6 -> 27.0 ms, CUDA time 27.3 -> 23.6 ms;
+# first-audio p95 at 64 streams 0.166 -> 0.155 s; benchmarks/pipeline.md). ``OMNILOOP_PACKED_PREFILL=0`` turns
+# it off for a run (the padded (rows x tokens) graphs)
+PACKED = os.environ.get("OMNILOOP_PACKED_PREFILL") != "0"
 PACKED_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 8192)
 
 

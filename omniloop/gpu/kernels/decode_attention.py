@@ -177,6 +177,11 @@ def _launch(src: torch.Tensor, q_strides: tuple[int, ...], shape: tuple[int, int
     return out
 
 
+def fresh_head_dim_ok(d: int) -> bool:
+    """Whether ``decode_attention_fresh`` takes heads of ``d`` (its per-head norm and rope run as tile dots)."""
+    return d >= 16 and not d & (d - 1)
+
+
 def decode_attention_fresh(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, wq: torch.Tensor,
                            wk: torch.Tensor, eps: float, cos: torch.Tensor, sin_folded: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor | int, kv_len: int,
@@ -195,7 +200,7 @@ def decode_attention_fresh(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
     if width != (num_q_heads + 2 * num_kv_heads) * d or hkv != num_kv_heads or num_q_heads % num_kv_heads:
         raise ValueError(f"qkv rows of width {width} are not {num_q_heads} + 2 * {num_kv_heads} heads of {d}, "
                          f"or the cache holds {hkv} kv heads")
-    if d < 16 or d & (d - 1):
+    if not fresh_head_dim_ok(d):
         raise ValueError(f"head dim {d} is not a power of two of at least 16")
     if (k_cache.dtype != qkv.dtype or k_cache.shape != v_cache.shape or k_cache.stride(3) != 1
             or v_cache.stride(3) != 1 or k_cache.shape[3] != d):

@@ -41,16 +41,12 @@ FUSED_ADD_NORM = True
 # tokens, shared positions) in one Triton kernel that reads each row's cache up to its own length
 # (``gpu/kernels/decode_attention.py``): no SDPA, no per-step mask; a switch so benchmarks can measure SDPA
 FUSED_DECODE_ATTENTION = True
-# CUDA bf16/fp16 decode-sized calls through the decode attention kernel (FUSED_DECODE_ATTENTION: the talker's
-# decode step, the code predictor's steps): each projection one Triton matmul with the norm before it / the
-# SiLU*up / the residual add after it in the same launch (``gpu/kernels/fused_linear.py``;
-# ``DecoderStack._forward_fused_linear``): six launches per layer instead of nine or ten. Off until measured
-# against cuBLAS on the H200 (``tools/bench_talker.py --variants``); ``OMNILOOP_FUSED_LINEAR=1`` turns it on
-FUSED_LINEAR = os.environ.get("OMNILOOP_FUSED_LINEAR") == "1"
 # CUDA bf16/fp16, with FUSED_KV_WRITE and FUSED_DECODE_ATTENTION: the decode attention kernel also does the q/k
-# norm+rope and the KV write of the new tokens (``decode_attention_fresh``): one launch a layer instead of two.
-# Off until measured on the H200; ``OMNILOOP_FUSED_QKV_ATTENTION=1`` turns it on for a whole run
-FUSED_QKV_ATTENTION = os.environ.get("OMNILOOP_FUSED_QKV_ATTENTION") == "1"
+# norm+rope and the KV write of the new tokens (``decode_attention_fresh``): one launch a layer instead of two
+# (H200, 1.7B, 64 rows: frame 5.47 -> 5.43 ms; benchmarks/talker-steps.md). Head dims it cannot take (a power of
+# two >= 16) keep the two launches. A switch so benchmarks can compare; ``OMNILOOP_FUSED_QKV_ATTENTION=0`` turns
+# it off for a whole run
+FUSED_QKV_ATTENTION = os.environ.get("OMNILOOP_FUSED_QKV_ATTENTION") != "0"
 
 
 class RMSNorm(nn.Module):
@@ -242,8 +238,10 @@ class Attention(nn.Module):
 
     def _fresh_attention(self, s: StackStep) -> bool:
         """Decode-kernel attention that also normalizes, rotates and stores the new keys (FUSED_QKV_ATTENTION)."""
+        from omniloop.gpu.kernels.decode_attention import fresh_head_dim_ok
+
         return (FUSED_QKV_ATTENTION and FUSED_KV_WRITE and s.decode_lengths is not None and not s.prefix
-                and self._is_fused_path(s))
+                and fresh_head_dim_ok(self.head_dim) and self._is_fused_path(s))
 
     def attend_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    s: StackStep) -> torch.Tensor:
@@ -445,8 +443,6 @@ class DecoderStack(nn.Module):
             raise ValueError("a packed call is a prefix call of one token a row with one seq_start a row")
         step = self._step(x, positions, k_cache, slots, kv_len, prefix, seq_start)
         if FUSED_ADD_NORM and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and len(self.layers):
-            if FUSED_LINEAR and step.decode_lengths is not None and self._linear_fusable(x):
-                return self._forward_fused_linear(x, k_cache, v_cache, step)
             return self._forward_fused(x, k_cache, v_cache, step)
         for i, layer in enumerate(self.layers):
             x = layer(x, k_cache[i], v_cache[i], step)
@@ -464,38 +460,6 @@ class DecoderStack(nn.Module):
         for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
             h, residual = layer.forward_fused(h, residual, k_cache[i], v_cache[i], step, next_norm)
         return h
-
-    def _linear_fusable(self, x: torch.Tensor) -> bool:
-        """A decode-sized call (``fused_linear.MAX_ROWS`` rows at most) on fused weights without biases: what
-        ``_forward_fused_linear`` takes (it checks the fused weights are still current)."""
-        from omniloop.gpu.kernels.fused_linear import MAX_ROWS
-
-        return x.shape[0] * x.shape[1] <= MAX_ROWS and all(
-            lay.self_attn.qkv_weight is not None and lay.mlp.gate_up_weight is not None
-            and lay.self_attn.qkv_bias is None and lay.self_attn.o_proj.bias is None for lay in self.layers)
-
-    def _forward_fused_linear(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              step: StackStep) -> torch.Tensor:
-        """``forward``'s layers carrying the residual stream only, every norm, SiLU*up and residual add inside
-        the matmul next to it (``gpu/kernels/fused_linear.py``): norm+QKV, attention (q/k norm, rope and the
-        KV write as ``Attention`` does them), O+residual, norm+gate/up+SiLU, down+residual; the stack's final
-        norm at the end. The same math as ``_forward_fused`` with the norms applied after the product
-        (``rstd * ((x * g) @ W.T)``), so equal up to rounding. Any device the kernels run on (CPU under
-        ``TRITON_INTERPRET=1`` in the tests)."""
-        from omniloop.gpu.kernels.fused_linear import fused_linear
-
-        residual = x
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            _check_fused(attn.qkv_weight, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-            _check_fused(mlp.gate_up_weight, mlp.gate_proj.weight, mlp.up_proj.weight)
-            pre, post = layer.input_layernorm, layer.post_attention_layernorm
-            qkv = fused_linear(residual, attn.qkv_weight, norm=(pre.weight, pre.eps))
-            out = attn.attend_qkv(qkv, k_cache[i], v_cache[i], step)
-            residual = fused_linear(out, attn.o_proj.weight, residual=residual)
-            act = fused_linear(residual, mlp.gate_up_weight, norm=(post.weight, post.eps), silu=True)
-            residual = fused_linear(act, mlp.down_proj.weight, residual=residual)
-        return self.norm(residual)
 
     def _step(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor,
               slots: torch.Tensor | None, kv_len: int, prefix: bool = False,

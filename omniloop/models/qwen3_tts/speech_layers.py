@@ -19,6 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# Channels-last residual units add their convs' biases inside other kernels (``ResidualUnit``); a switch so
+# benchmarks can measure the separate bias passes it removes (``tools/bench_codec.py --no-fold-bias``)
+FOLD_CONV_BIAS = True
+
 try:  # the fused SnakeBeta kernel on CUDA; elsewhere (and without Triton) the plain torch ops
     import triton
     import triton.language as tl
@@ -27,11 +31,12 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _snake_kernel(x_ptr, out_ptr, alpha_ptr, inv_beta_ptr, num_ch, length, sxb, sxc, sob, soc,
-                      CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr):
+    def _snake_kernel(x_ptr, out_ptr, alpha_ptr, inv_beta_ptr, bias_ptr, num_ch, length, sxb, sxc, sob, soc,
+                      CHANNELS_LAST: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
         """NCL: one program row per (batch, channel), ``length`` = T contiguous values. Channels-last: one row
         per batch row, ``length`` = T*C contiguous values (frame-major), channel = offset % C. Either way the
-        loads are contiguous runs, so they vectorize."""
+        loads are contiguous runs, so they vectorize. ``BIAS``: a per-channel bias is added to x first (the
+        bias of the conv that produced x, which then runs without it)."""
         if CHANNELS_LAST:
             b = tl.program_id(1).to(tl.int64)
             offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -40,6 +45,8 @@ if triton is not None:
             x_row, out_row = x_ptr + b * sxb, out_ptr + b * sob
             alpha = tl.load(alpha_ptr + c, mask=mask)
             inv_beta = tl.load(inv_beta_ptr + c, mask=mask)
+            if BIAS:
+                bias = tl.load(bias_ptr + c, mask=mask).to(tl.float32)
         else:
             row = tl.program_id(0)
             b, c = (row // num_ch).to(tl.int64), (row % num_ch).to(tl.int64)
@@ -48,7 +55,11 @@ if triton is not None:
             x_row, out_row = x_ptr + b * sxb + c * sxc, out_ptr + b * sob + c * soc
             alpha = tl.load(alpha_ptr + c)
             inv_beta = tl.load(inv_beta_ptr + c)
+            if BIAS:
+                bias = tl.load(bias_ptr + c).to(tl.float32)
         x = tl.load(x_row + offs, mask=mask).to(tl.float32)
+        if BIAS:
+            x += bias
         s = tl.sin(x * alpha)
         y = x + inv_beta * s * s
         tl.store(out_row + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -147,19 +158,22 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(dim))
         self.beta = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """``out``: where to write (e.g. the chunk part of a conv's ``[tail, chunk]`` buffer). Either layout."""
+    def forward(self, x: Tensor, out: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+        """``out``: where to write (e.g. the chunk part of a conv's ``[tail, chunk]`` buffer). Either layout.
+        ``bias`` ``[C]``: the activation of ``x + bias`` (a conv's bias, added here instead of by the conv)."""
         if triton is not None and x.is_cuda:
             dst = torch.empty_like(x) if out is None else out
             channels_last = snake_layout(x, dst)
             if channels_last is not None:
-                return self._fused(x, dst, channels_last)
+                return self._fused(x, dst, channels_last, bias)
+        if bias is not None:
+            x = x + bias[None, :, None]
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
         y = x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
         return y if out is None else out.copy_(y)
 
-    def _fused(self, x: Tensor, out: Tensor, channels_last: bool) -> Tensor:
+    def _fused(self, x: Tensor, out: Tensor, channels_last: bool, bias: Tensor | None = None) -> Tensor:
         """One pass over ``x`` instead of five, with float32 math inside (the result is stored in x's dtype).
         ``channels_last``: ``snake_layout(x, out)``."""
         alpha = self.alpha.float().exp()
@@ -173,8 +187,9 @@ class SnakeBeta(nn.Module):
             length = n
             block = min(1024, max(16, triton.next_power_of_2(n)))
             grid = (b * c, triton.cdiv(n, block))
-        _snake_kernel[grid](x, out, alpha, inv_beta, c, length, x.stride(0), x.stride(1), out.stride(0),
-                            out.stride(1), CHANNELS_LAST=channels_last, BLOCK=block)
+        _snake_kernel[grid](x, out, alpha, inv_beta, alpha if bias is None else bias, c, length, x.stride(0),
+                            x.stride(1), out.stride(0), out.stride(1), CHANNELS_LAST=channels_last,
+                            BIAS=bias is not None, BLOCK=block)
         return out
 
 
@@ -194,16 +209,18 @@ class _ConvLayer(nn.Module):
         w = self.conv.weight
         w.data = channels_last_copy(w.data) if on else w.data.contiguous()
 
-    def _conv(self, x: Tensor) -> Tensor:
+    def _conv(self, x: Tensor, with_bias: bool = True) -> Tensor:
+        """``with_bias=False``: the conv without its bias (the caller adds it inside a later kernel)."""
         c = self.conv
         if not self.channels_last:
-            return c(x)
+            return c(x) if with_bias else c._conv_forward(x, c.weight, None)
         # [B, C, 1, T] views of channels-last [B, C, T] activations and of the [O, k, I]-stored weight are
         # NHWC contiguous, so cuDNN runs its NHWC kernels without a layout transpose either side
         x4, w4 = x.unsqueeze(2), c.weight.unsqueeze(2)
+        bias = c.bias if with_bias else None
         if isinstance(c, nn.ConvTranspose1d):
-            return F.conv_transpose2d(x4, w4, c.bias, stride=(1, c.stride[0])).squeeze(2)
-        return F.conv2d(x4, w4, c.bias, dilation=(1, c.dilation[0]), groups=c.groups).squeeze(2)
+            return F.conv_transpose2d(x4, w4, bias, stride=(1, c.stride[0])).squeeze(2)
+        return F.conv2d(x4, w4, bias, dilation=(1, c.dilation[0]), groups=c.groups).squeeze(2)
 
 
 class CausalConv(_ConvLayer):
@@ -217,13 +234,14 @@ class CausalConv(_ConvLayer):
     def tail_shape(self) -> tuple[int, ...]:
         return (self.conv.in_channels, self.context)
 
-    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor,
-                act: SnakeBeta | None = None) -> tuple[Tensor, Tensor | None]:
-        """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``)."""
+    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor, act: SnakeBeta | None = None,
+                with_bias: bool = True) -> tuple[Tensor, Tensor | None]:
+        """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``);
+        ``with_bias=False``: the output lacks the conv's bias (see ``_ConvLayer._conv``)."""
         if self.context == 0:
-            return self._conv(x if act is None else act(x)), None
+            return self._conv(x if act is None else act(x), with_bias), None
         full = with_tail(tail, x, act, self.channels_last)
-        return self._conv(full), gather_tail(full, lens, self.context, self.channels_last)
+        return self._conv(full, with_bias), gather_tail(full, lens, self.context, self.channels_last)
 
 
 class CausalTransConv(_ConvLayer):
@@ -281,6 +299,20 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: Tensor, tail: Tensor, lens: Tensor) -> tuple[Tensor, Tensor | None]:
+        if self.conv1.channels_last and FOLD_CONV_BIAS:
+            return self._forward_channels_last(x, tail, lens)
         h, tail = self.conv1(x, tail, lens, act=self.act1)
         h, _ = self.conv2(h, None, lens, act=self.act2)
         return x + h, tail
+
+    def _forward_channels_last(self, x: Tensor, tail: Tensor, lens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The same unit with no pass of its own for either conv's bias: conv1's is added inside the second
+        SnakeBeta's kernel, and the 1x1 conv2 runs as the matmul over channels it is ([B*T, C] rows, which
+        channels-last activations are), its bias in the matmul's epilogue. PyTorch adds a cuDNN conv's bias
+        in a separate broadcast kernel over the whole output (an H200 profile of a 64 x 8-frame codec step:
+        ~55 such strided kernels, 4.5 of 17 ms)."""
+        h, tail = self.conv1(x, tail, lens, act=self.act1, with_bias=False)
+        a = self.act2(h, bias=self.conv1.conv.bias)
+        w = self.conv2.conv.weight
+        h = F.linear(a.transpose(1, 2), w.view(w.shape[0], w.shape[1]), self.conv2.conv.bias)
+        return x + h.transpose(1, 2), tail
