@@ -285,9 +285,12 @@ def test_stack_with_fused_kv_write_equals_the_separate_writes(dtype: torch.dtype
     """A fused decoder stack run twice, once writing the KV cache inside the norm+rope kernel and once with
     torch's separate writes: batched per-row prefill (padding tokens on the scratch position), per-row decode
     with and without slots, and the code predictor's shared-start steps give equal outputs and equal caches
-    (the prefill's scratch position aside: several padding tokens race for it on either path)."""
+    (the prefill's scratch position aside: several padding tokens race for it on either path). The decode
+    attention apart (``FUSED_QKV_ATTENTION`` off): inside it, the new keys are attended from registers, equal
+    only to bf16 rounding (``test_stack_with_fresh_decode_attention_matches_the_fused_stack``)."""
     from omniloop.models.qwen3_tts import layers
 
+    monkeypatch.setattr(layers, "FUSED_QKV_ATTENTION", False)
     cfg, stack = _tiny_stack(dtype)
     h, max_len, dev = cfg.hidden_size, 24, "cuda"
     pad = max_len + 3
@@ -407,6 +410,8 @@ def test_stack_with_decode_attention_kernel_matches_sdpa(monkeypatch: pytest.Mon
     from omniloop.models.qwen3_tts import layers
 
     cfg, stack = _tiny_stack(torch.bfloat16)
+    # the plain decode kernel (the q/k norm+rope and KV write apart): decode_attention_fresh has its own test
+    monkeypatch.setattr(layers, "FUSED_QKV_ATTENTION", False)
     calls = []
     fused_kernel = kernel.decode_attention
     monkeypatch.setattr(kernel, "decode_attention", lambda *a: calls.append(1) or fused_kernel(*a))

@@ -116,9 +116,12 @@ def test_plans_never_synchronize_the_host() -> None:
 
 def test_prefill_graphs_equal_the_eager_prefill_float32(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces from position 0 go through a captured prefill graph (padded to its bucket), later pieces of a
-    chunked prompt eagerly; codes equal the all-eager prefill and ``generate`` in float32."""
+    chunked prompt eagerly; codes equal the all-eager prefill and ``generate`` in float32. The padded
+    (rows x tokens) graphs: the packed ones (the default) have the next test."""
+    from omniloop.gpu import prefill_graphs
     from omniloop.gpu.prefill_graphs import PrefillGraphs
 
+    monkeypatch.setattr(prefill_graphs, "PACKED", False)
     model = _cuda_model(torch.float32)
     replays: list[tuple[int, int]] = []
     original = PrefillGraphs.run
