@@ -7,9 +7,9 @@ decoded with whatever frames it has (at least 1); the others wait for a full chu
 cost grows far slower than its frames (64 streams x 1 frame costs a third of 64 x 8 on an H200) and the
 codec shares the GPU with the talker. Once a step goes, every other request holding at least
 ``join_fraction`` of its chunk rides along: streams admitted a few talker steps apart would otherwise reach
-their full chunks at different moments forever, and the codec would run many part-filled steps (an H200 trace
-at 64 streams had 47-, 17- and 1-row steps where one 64-row step would do). Under contention requests nearest to running dry go first, and
-``max_frames_per_step`` caps a step. A step that carries a first chunk carries only urgent requests: a step's
+their full chunks at different moments forever, and the codec would run many part-filled steps (an H200
+trace at 64 streams had 47-, 17- and 1-row steps where one 64-row step would do). Under contention requests
+nearest to running dry go first, and ``max_frames_per_step`` caps a step. A step that carries a first chunk carries only urgent requests: a step's
 PCM leaves when its last row is decoded, so first audio must not wait for full chunks of streams that still
 have more than ``urgent_s`` buffered (they go in the next step, which may be in flight at the same time).
 

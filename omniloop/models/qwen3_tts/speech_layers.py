@@ -210,10 +210,13 @@ class _ConvLayer(nn.Module):
         w.data = channels_last_copy(w.data) if on else w.data.contiguous()
 
     def _conv(self, x: Tensor, with_bias: bool = True) -> Tensor:
-        """``with_bias=False``: the conv without its bias (the caller adds it inside a later kernel)."""
+        """``with_bias=False`` (channels-last only): the conv without its bias (the caller adds it inside a
+        later kernel)."""
         c = self.conv
         if not self.channels_last:
-            return c(x) if with_bias else c._conv_forward(x, c.weight, None)
+            if not with_bias:
+                raise ValueError("a conv leaves its bias to the caller only in the channels-last layout")
+            return c(x)
         # [B, C, 1, T] views of channels-last [B, C, T] activations and of the [O, k, I]-stored weight are
         # NHWC contiguous, so cuDNN runs its NHWC kernels without a layout transpose either side
         x4, w4 = x.unsqueeze(2), c.weight.unsqueeze(2)
