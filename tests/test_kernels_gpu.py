@@ -444,10 +444,10 @@ def test_stack_with_decode_attention_kernel_matches_sdpa(monkeypatch: pytest.Mon
 
 @torch.no_grad()
 def test_stack_with_fresh_decode_attention_matches_the_fused_stack(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``FUSED_QKV_ATTENTION`` (``decode_attention_fresh``) on vs off: the bf16 stack's decode-sized calls (talker decode with slots and a row parked on the scratch
-    position, the code predictor's steps) take the new kernels and match the path they replace to bf16
-    rounding, caches included (the parked row's output is unused: not compared); a prefill keeps the old
-    path."""
+    """``FUSED_QKV_ATTENTION`` (``decode_attention_fresh``) on vs off: the bf16 stack's decode-sized calls (talker
+    decode with slots and a row parked on the scratch position, the code predictor's steps) take the new
+    kernels and match the path they replace to bf16 rounding, caches included (the parked row's output is
+    unused: not compared); a prefill keeps the old path."""
     from omniloop.gpu.kernels import decode_attention as attention_kernels
     from omniloop.models.qwen3_tts import layers
 

@@ -3,9 +3,10 @@
 #   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm]   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
-# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_QKV_ATTENTION=0 or
-# OMNILOOP_PACKED_PREFILL=0 in the environment run every part without those kernels / graphs (layers.FUSED_QKV_ATTENTION,
-# prefill_graphs.PACKED). The serve tests need the openai client, which the device image lacks: they are left out.
+# the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_QKV_ATTENTION=0
+# or OMNILOOP_PACKED_PREFILL=0 in the environment run every part without those kernels / graphs
+# (layers.FUSED_QKV_ATTENTION, prefill_graphs.PACKED). The serve tests need the openai client, which the device
+# image lacks: they are left out.
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -18,7 +19,8 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case $part in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore-glob='tests/test_serve_*' 2>&1 | tail -3 ;;  # every GPU-marked test
+      # every GPU-marked test but the serve ones
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests --ignore-glob='tests/test_serve_*' 2>&1 | tail -3 ;;
     bench)
       python3 -m omniloop bench qwen3_tts --model builtin:1.7b --concurrency 1,8,64 --max-frames 100 --repeat 3 \
         --out "$out/pipeline-$commit.json" 2>&1 | grep '^{"concurrency"'

@@ -1,17 +1,17 @@
 """The codec-stage scheduler: batches streaming decode steps of code frames into PCM.
 
-Chunk sizes ramp: a request's first chunk is small (``initial_frames``) so first audio leaves early,
-then each chunk doubles up to ``frames``, so the client's buffer grows faster than it plays. A request
-whose client has less than ``urgent_s`` of audio buffered (every request before its first audio) is
-decoded with whatever frames it has (at least 1); the others wait for a full chunk, because a step's
-cost grows far slower than its frames (64 streams x 1 frame costs a third of 64 x 8 on an H200) and the
-codec shares the GPU with the talker. Once a step goes, every other request holding at least
-``join_fraction`` of its chunk rides along: streams admitted a few talker steps apart would otherwise reach
-their full chunks at different moments forever, and the codec would run many part-filled steps (an H200
-trace at 64 streams had 47-, 17- and 1-row steps where one 64-row step would do). Under contention requests
-nearest to running dry go first, and ``max_frames_per_step`` caps a step. A step that carries a first chunk carries only urgent requests: a step's
-PCM leaves when its last row is decoded, so first audio must not wait for full chunks of streams that still
-have more than ``urgent_s`` buffered (they go in the next step, which may be in flight at the same time).
+Chunk sizes ramp: a request's first chunk is small (``initial_frames``) so first audio leaves early, then each
+chunk doubles up to ``frames``, so the client's buffer grows faster than it plays. A request whose client has
+less than ``urgent_s`` of audio buffered (every request before its first audio) is decoded with whatever frames
+it has (at least 1); the others wait for a full chunk, because a step's cost grows far slower than its frames
+(64 streams x 1 frame costs a third of 64 x 8 on an H200) and the codec shares the GPU with the talker. Once a
+step goes, every other request holding at least ``join_fraction`` of its chunk rides along: streams admitted a
+few talker steps apart would otherwise reach their full chunks at different moments forever, and the codec
+would run many part-filled steps (an H200 trace at 64 streams had 47-, 17- and 1-row steps where one 64-row
+step would do). Under contention requests nearest to running dry go first, and ``max_frames_per_step`` caps a
+step. A step that carries a first chunk carries only urgent requests: a step's PCM leaves when its last row is
+decoded, so first audio must not wait for full chunks of streams that still have more than ``urgent_s``
+buffered (they go in the next step, which may be in flight at the same time).
 
 Decoder state (sliding-window cache, conv tails) lives in the runner per slot and steps run in
 stream order, so a request may be scheduled again while its previous step is still in flight.
