@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm]   (default: tests bench)
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm] [overlap]
+#   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
 # the tree is (the copy has no .git). Each part prints its own summary line(s). OMNILOOP_FUSED_QKV_ATTENTION=0
@@ -48,8 +49,12 @@ for part in "${parts[@]}"; do
           --out "$out/prefill${flags:+-padded}-$commit.json" > "$log" 2>&1
         grep -o '"batch": [0-9]*, "tokens": [0-9]*, "plan_ms": [0-9.]*, "cuda_total_ms": [0-9.]*' "$log" || tail -4 "$log" 
       done ;;
+    overlap)  # talker frames and codec steps at once: plain streams vs the codec confined to N SMs
+      python3 tools/bench_overlap.py --frames 96 --codec-sms ${OMNILOOP_CODEC_SMS:-66 100 116} \
+        --out "$out/overlap-$commit.json" > "$out/overlap-$commit.log" 2>&1
+      grep '^{"mode"' "$out/overlap-$commit.log" || tail -6 "$out/overlap-$commit.log" ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, overlap)"; exit 2 ;;
   esac
 done

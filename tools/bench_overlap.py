@@ -1,0 +1,175 @@
+"""Do the talker's frames and the codec's steps overlap on one GPU, and does an SM partition make them?
+
+At 64 streams a wave's GPU time is the plain sum of the talker's frames (~100 x 5.4 ms), its admission plans
+and the codec's steps (~12.5 x 14.4 ms): the talker's stream has the device's highest priority, yet its short,
+launch-bound kernels wait behind the codec's long conv kernels for SMs (benchmarks/pipeline.md). This times,
+on the real-size Qwen3-TTS-1.7B talker and speech decoder (random weights, bf16, CUDA graphs as the stages
+run them):
+
+- the talker alone: ``--frames`` frame replays at 64 rows (high-priority stream, as ``TalkerRunner``);
+- the codec alone: ``--frames / 8`` steps of 64 streams x 8 frames (what those frames feed the codec);
+- both at once from two threads, the codec on a normal-priority stream (as the stages run today);
+- both at once with the codec confined to ``N`` SMs by a CUDA green context, for each ``--codec-sms N``
+  (``torch.cuda.green_contexts``; the talker keeps the whole device).
+
+Each line is JSON: wall ms of the mode, and for the overlapped ones the serial sum and the share of it saved.
+Run where both stages would run (one GPU):
+
+    python tools/bench_overlap.py --frames 96 --codec-sms 66 100 116 [--codec-eager] [--out overlap.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+import torch
+
+from omniloop.gpu.backends import configure_cuda_stage
+from omniloop.gpu.cuda_graphs import FrameGraphs
+from omniloop.gpu.talker_runner import HIGH_PRIORITY
+from omniloop.gpu.talker_state import TalkerState
+from omniloop.models.qwen3_tts.config import load_tts_config
+from omniloop.models.qwen3_tts.speech_stream import CodecStreams
+from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
+from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
+from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
+from tools.bench_talker import SAMPLED
+
+ROWS, CONTEXT, CHUNK = 64, 256, 8
+
+
+def green_stream(num_sms: int, device: torch.device) -> torch.cuda.Stream:
+    """A stream whose kernels run on ``num_sms`` SMs only. torch's API moved between releases: newer ones give
+    the context's own streams (``Stream()``), 2.10 makes the context current for the thread (streams created
+    then belong to it)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    try:
+        ctx = GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
+    except TypeError:  # 2.10: positional
+        ctx = GreenContext.create(num_sms, device.index or 0)
+    _KEEP.append(ctx)  # the stream is valid while its context lives
+    if hasattr(ctx, "Stream"):
+        return ctx.Stream()
+    ctx.set_context()
+    try:
+        return torch.cuda.Stream(device)
+    finally:
+        ctx.pop_context()
+
+
+_KEEP: list = []
+
+
+def build_talker(device: torch.device) -> tuple[FrameGraphs, torch.cuda.Stream]:
+    cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))
+    model = Qwen3TtsModel(cfg, device=device, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    model.fuse_projections()
+    state = TalkerState.allocate(model, ROWS, CONTEXT + 8, max_trailing=64)
+    hidden = cfg.talker.decoder.hidden_size
+    for slot in range(ROWS):
+        state.reset(slot, torch.zeros(1, 1), torch.zeros(4, hidden, device=device), SAMPLED, slot)
+    state.next_input.normal_()
+    state.active[:] = True
+    state.positions[:] = CONTEXT - 1
+    stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
+    with torch.cuda.stream(stream), torch.no_grad():
+        graphs = FrameGraphs(state, stream, (ROWS,), (CONTEXT,))
+    stream.synchronize()
+    return graphs, stream
+
+
+def build_codec(device: torch.device, eager: bool) -> CodecStreams:
+    tok = SpeechTokenizer.load(ensure_tiny_checkpoint("custom_voice", size="1.7b"), device=str(device),
+                               dtype=torch.bfloat16, load_format="dummy", with_encoder=False)
+    streams = CodecStreams(tok.decoder, max_streams=ROWS, initial_slots=ROWS, graphs=not eager)
+    for i in range(ROWS):
+        streams.open(f"r{i}")
+    return streams
+
+
+def talker_loop(graphs: FrameGraphs, stream: torch.cuda.Stream, frames: int) -> None:
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(frames):
+            graphs.replay(ROWS, CONTEXT)
+    stream.synchronize()
+
+
+def codec_loop(streams: CodecStreams, stream: torch.cuda.Stream, steps: int, chunks: list) -> None:
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(steps):
+            streams.decode_host(chunks)  # waits for its PCM, as the codec runner's thread does
+
+
+def timed(*jobs) -> float:  # noqa: ANN002
+    """Wall ms of running ``jobs`` (callables) each on its own thread, started together."""
+    torch.cuda.synchronize()
+    threads = [threading.Thread(target=job) for job in jobs]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=96, help="talker frames; the codec runs frames / 8 steps")
+    parser.add_argument("--codec-sms", type=int, nargs="*", default=[], help="SM counts to confine the codec to")
+    parser.add_argument("--codec-eager", action="store_true", help="the codec without CUDA graphs")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    configure_cuda_stage()
+    torch.backends.cudnn.benchmark = True  # as the codec stage's profile sets it
+    graphs, talker_stream = build_talker(device)
+    streams = build_codec(device, args.codec_eager)
+    rng = np.random.default_rng(0)
+    chunks = [(f"r{i}", rng.integers(0, 2048, (CHUNK, 16), dtype=np.int64)) for i in range(ROWS)]
+    steps = max(1, args.frames // CHUNK)
+    codec_streams = {"normal": torch.cuda.Stream(device)}
+    codec_streams.update({f"sms={n}": green_stream(n, device) for n in args.codec_sms})
+    for s in codec_streams.values():  # warm-up: captures (cuDNN timing included) and every stream used once
+        codec_loop(streams, s, 2, chunks)
+    talker_loop(graphs, talker_stream, 5)
+    rows = []
+
+    def best(fn) -> float:  # noqa: ANN001
+        return min(fn() for _ in range(args.repeat))
+
+    talker_ms = best(lambda: timed(lambda: talker_loop(graphs, talker_stream, args.frames)))
+    rows.append(dict(mode="talker alone", frames=args.frames, wall_ms=talker_ms,
+                     frame_ms=talker_ms / args.frames))
+    codec_ms = {}
+    for name, s in codec_streams.items():
+        codec_ms[name] = best(lambda s=s: timed(lambda: codec_loop(streams, s, steps, chunks)))
+        rows.append(dict(mode=f"codec alone ({name})", steps=steps, wall_ms=codec_ms[name],
+                         step_ms=codec_ms[name] / steps))
+    for name, s in codec_streams.items():
+        ms = best(lambda s=s: timed(lambda: talker_loop(graphs, talker_stream, args.frames),
+                                    lambda: codec_loop(streams, s, steps, chunks)))
+        serial = talker_ms + codec_ms["normal"]  # the work as the stages do it today, one after the other
+        rows.append(dict(mode=f"both ({name} codec)", frames=args.frames, steps=steps, wall_ms=ms,
+                         serial_ms=serial, saved=1 - ms / serial))
+    for row in rows:
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
