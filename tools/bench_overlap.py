@@ -10,7 +10,8 @@ run them):
 - the codec alone: ``--frames / 8`` steps of 64 streams x 8 frames (what those frames feed the codec);
 - both at once from two threads, the codec on a normal-priority stream (as the stages run today);
 - both at once with the codec confined to ``N`` SMs by a CUDA green context, for each ``--codec-sms N``
-  (``torch.cuda.green_contexts``; the talker keeps the whole device).
+  (``gpu/sm_partition.py``, what the codec stage's ``options.sm_count`` does; the talker keeps the whole
+  device).
 
 Each line is JSON: wall ms of the mode, and for the overlapped ones the serial sum and the share of it saved.
 Run where both stages would run (one GPU):
@@ -30,6 +31,7 @@ import torch
 
 from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.gpu.cuda_graphs import FrameGraphs
+from omniloop.gpu.sm_partition import PartitionedStream
 from omniloop.gpu.talker_runner import HIGH_PRIORITY
 from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts.config import load_tts_config
@@ -43,26 +45,13 @@ ROWS, CONTEXT, CHUNK = 64, 256, 8
 
 
 def green_stream(num_sms: int, device: torch.device) -> torch.cuda.Stream:
-    """A stream whose kernels run on ``num_sms`` SMs only. torch's API moved between releases: newer ones give
-    the context's own streams (``Stream()``), 2.10 makes the context current for the thread (streams created
-    then belong to it)."""
-    from torch.cuda.green_contexts import GreenContext
-
-    try:
-        ctx = GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
-    except TypeError:  # 2.10: positional
-        ctx = GreenContext.create(num_sms, device.index or 0)
-    _KEEP.append(ctx)  # the stream is valid while its context lives
-    if hasattr(ctx, "Stream"):
-        return ctx.Stream()
-    ctx.set_context()
-    try:
-        return torch.cuda.Stream(device)
-    finally:
-        ctx.pop_context()
+    """The codec stage's ``options.sm_count`` stream (``gpu/sm_partition.py``), kept alive for the run."""
+    partition = PartitionedStream(num_sms, device)
+    _KEEP.append(partition)
+    return partition.stream
 
 
-_KEEP: list = []
+_KEEP: list[PartitionedStream] = []
 
 
 def build_talker(device: torch.device) -> tuple[FrameGraphs, torch.cuda.Stream]:

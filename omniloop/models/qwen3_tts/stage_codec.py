@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from omniloop.gpu.runner import CpuRunner
+from omniloop.gpu.sm_partition import PartitionedStream, check_sm_count
 from omniloop.log import get_logger
 from omniloop.models.qwen3_tts.family import resolve_checkpoint
 from omniloop.models.qwen3_tts.speech_stream import CodecStreams
@@ -31,15 +32,21 @@ log = get_logger(__name__)
 
 
 class CodecRunner(CpuRunner):
-    def __init__(self, streams: CodecStreams, name: str = "codec") -> None:
+    def __init__(self, streams: CodecStreams, name: str = "codec", sm_count: int | None = None) -> None:
         super().__init__(name)
         self.streams = streams
         # its own stream at normal priority (below the talker's): in a shared process the talker's kernels go
-        # first, and nothing waits on the legacy default stream
+        # first, and nothing waits on the legacy default stream. ``sm_count``: that stream's kernels run on so
+        # many SMs only (gpu/sm_partition.py), the rest stay free for the talker's
         self._stream = None
+        self._partition: PartitionedStream | None = None
         self._device = streams.device
         if self._device.type == "cuda":
-            self._stream = torch.cuda.Stream(self._device)
+            if sm_count is not None:
+                self._partition = PartitionedStream(sm_count, self._device)
+                self._stream = self._partition.stream
+            else:
+                self._stream = torch.cuda.Stream(self._device)
             self._stream.wait_stream(torch.cuda.current_stream(self._device))  # the warm-up's writes first
         self._owner: dict[int, str] = {}  # scheduler slot -> req_id whose stream is open there
 
@@ -80,6 +87,9 @@ class CodecRunner(CpuRunner):
             for req_id in self._owner.values():
                 self.streams.close(req_id)
             self._owner.clear()
+            if self._partition is not None:
+                self._partition.close()
+                self._partition = self._stream = None
 
 
 class CodecMemoryBudget:
@@ -114,9 +124,12 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     opts = dict(stage.options)
     cudnn_benchmark = bool(opts.pop("cudnn_benchmark", False))
     warmup_frames = int(opts.pop("warmup_rows_x_frames", 256))
+    sm_count = opts.pop("sm_count", None)
     if opts:
         raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.codec "
-                         "(known: cudnn_benchmark, warmup_rows_x_frames)")
+                         "(known: cudnn_benchmark, warmup_rows_x_frames, sm_count)")
+    if sm_count is not None:
+        sm_count = check_sm_count(stage.name, torch.device(stage.device), sm_count)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
     is_cuda = torch.device(stage.device).type == "cuda"
     budget = None
@@ -146,4 +159,4 @@ def build_codec(stage: Any, profile: Any) -> Worker:
         initial_frames=chunking.initial_frames, frames=frames, urgent_s=chunking.urgent_s,
         join_fraction=chunking.join_fraction,
     ))
-    return Worker(scheduler, CodecRunner(streams, name=stage.name))
+    return Worker(scheduler, CodecRunner(streams, name=stage.name, sm_count=sm_count))
