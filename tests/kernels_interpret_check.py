@@ -420,13 +420,13 @@ def check_fresh_attention() -> None:
             x = torch.randn(3, n, cfg.hidden_size).to(dtype)
             cache = torch.randn(2, 1, 4, cfg.num_kv_heads, MAX_LEN + 1, cfg.head_dim).to(dtype)
             step = _kernel_step(stack, x, positions, slots, kv_len, cache[0])
-            out = {}
+            out, default = {}, layers.FUSED_QKV_ATTENTION
             for fresh in (False, True):
                 layers.FUSED_QKV_ATTENTION = fresh
                 k_cache, v_cache = cache.clone()
                 with torch.no_grad():
                     out[fresh] = (attn(x, k_cache[0], v_cache[0], step).float(), k_cache.float(), v_cache.float())
-            layers.FUSED_QKV_ATTENTION = False
+            layers.FUSED_QKV_ATTENTION = default
             # a row parked on the scratch position (past the bucket) writes there and its output is never
             # used: the two-launch path attends the bucket, this one the bucket's first keys and its new one
             live = _live(positions, kv_len)
