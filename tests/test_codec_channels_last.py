@@ -183,3 +183,15 @@ def test_cuda_snake_kernel_channels_last(dtype: torch.dtype, tol: float) -> None
     for got in (buf[..., 6:], fused):
         assert (got.float() - want).abs().max() / want.abs().max() < tol
     assert buf[..., :6].abs().max() == 0
+
+
+def test_only_channels_last_units_take_an_input_lacking_a_bias(decoders) -> None:
+    """The decoder block leaves its transposed conv's bias to the first residual unit only where the units
+    fold biases (channels-last); the reference layout's unit refuses such an input instead of dropping it."""
+    ref, cl = decoders[torch.float32]
+    ref_unit, cl_unit = (next(m for m in d.modules() if isinstance(m, ResidualUnit)) for d in (ref, cl))
+    assert cl_unit.folds_bias() and not ref_unit.folds_bias()
+    x = torch.zeros(1, ref_unit.conv1.conv.in_channels, 2)
+    tail = torch.zeros(1, *ref_unit.conv1.tail_shape())
+    with pytest.raises(ValueError, match="x_bias"):
+        ref_unit(x, tail, torch.tensor([2]), x_bias=torch.zeros(x.shape[1]))

@@ -18,6 +18,8 @@ Module names follow the checkpoint keys (``decoder.*`` in ``speech_tokenizer/mod
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -259,9 +261,9 @@ class SpeechDecoder(nn.Module):
         pos, caches, tails = state[0], state[1:1 + num_layers], iter(state[1 + num_layers:])
         new_tails: list[Tensor] = []
 
-        def run(layer: nn.Module, x: Tensor, rate_lens: Tensor, act: nn.Module | None = None) -> Tensor:
+        def run(layer: nn.Module, x: Tensor, rate_lens: Tensor, **kw: Any) -> Tensor:
             tail = next(tails) if layer_has_tail(layer) else None
-            y, t = layer(x, tail, rate_lens) if act is None else layer(x, tail, rate_lens, act=act)
+            y, t = layer(x, tail, rate_lens, **kw)
             if t is not None:
                 new_tails.append(t)
             return y
@@ -278,10 +280,13 @@ class SpeechDecoder(nn.Module):
             x = run(convnext, x, cur)
         x = run(self.decoder[0], x, cur)
         for blk in self.decoder[1:-2]:
-            x = run(blk.block[1], x, cur, act=blk.block[0])
-            cur = cur * blk.block[1].stride
-            for unit in blk.block[2:]:
-                x = run(unit, x, cur)
+            trans, units = blk.block[1], blk.block[2:]
+            # where the units fold conv biases, the first one also takes the transposed conv's (no pass for it)
+            fold = units[0].folds_bias()
+            x = run(trans, x, cur, act=blk.block[0], with_bias=not fold)
+            cur = cur * trans.stride
+            for i, unit in enumerate(units):
+                x = run(unit, x, cur, x_bias=trans.conv.bias if fold and i == 0 else None)
         x = run(self.decoder[-1], x, cur, act=self.decoder[-2])
         return x.clamp(-1.0, 1.0)[:, 0], [pos + lens, *new_caches, *new_tails]
 

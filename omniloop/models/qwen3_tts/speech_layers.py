@@ -99,8 +99,12 @@ def gather_tail(full: Tensor, lens: Tensor, size: int, channels_last: bool = Fal
     return full.gather(-1, idx[:, None, :].expand(-1, full.shape[1], -1))
 
 
-def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None, channels_last: bool = False) -> Tensor:
-    """``cat([tail, act(x)], -1)`` in the given layout, with the activation written straight into the result."""
+def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None, channels_last: bool = False,
+              act_bias: Tensor | None = None) -> Tensor:
+    """``cat([tail, act(x)], -1)`` in the given layout, with the activation written straight into the result;
+    ``act_bias``: ``act(x + act_bias)`` (see ``SnakeBeta.forward``)."""
+    if act_bias is not None and act is None:
+        raise ValueError("act_bias needs an activation to add it in")
     if act is None and not channels_last:
         return torch.cat([tail, x], dim=-1)
     p = tail.shape[-1]
@@ -109,7 +113,7 @@ def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None, channels_last: boo
     if act is None:
         full[..., p:] = x
     else:
-        act(x, out=full[..., p:])
+        act(x, out=full[..., p:], bias=act_bias)
     return full
 
 
@@ -238,12 +242,12 @@ class CausalConv(_ConvLayer):
         return (self.conv.in_channels, self.context)
 
     def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor, act: SnakeBeta | None = None,
-                with_bias: bool = True) -> tuple[Tensor, Tensor | None]:
-        """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``);
-        ``with_bias=False``: the output lacks the conv's bias (see ``_ConvLayer._conv``)."""
+                with_bias: bool = True, act_bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``), to
+        ``x + act_bias`` if given; ``with_bias=False``: the output lacks the conv's bias (``_ConvLayer._conv``)."""
         if self.context == 0:
-            return self._conv(x if act is None else act(x), with_bias), None
-        full = with_tail(tail, x, act, self.channels_last)
+            return self._conv(x if act is None else act(x, bias=act_bias), with_bias), None
+        full = with_tail(tail, x, act, self.channels_last, act_bias)
         return self._conv(full, with_bias), gather_tail(full, lens, self.context, self.channels_last)
 
 
@@ -266,13 +270,15 @@ class CausalTransConv(_ConvLayer):
     def tail_shape(self) -> tuple[int, ...]:
         return (self.conv.in_channels, self.context)
 
-    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor,
-                act: SnakeBeta | None = None) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor, act: SnakeBeta | None = None,
+                with_bias: bool = True) -> tuple[Tensor, Tensor | None]:
+        """``with_bias=False``: the output lacks the conv's bias (``_ConvLayer._conv``; the decoder block hands
+        it to its first residual unit)."""
         if self.context == 0:
-            return self._conv(x if act is None else act(x)), None
+            return self._conv(x if act is None else act(x), with_bias), None
         s, num = self.stride, x.shape[-1]
         full = with_tail(tail, x, act, self.channels_last)
-        y = self._conv(full)
+        y = self._conv(full, with_bias)
         # y[:, :, :s] belongs to the tail frame (already emitted); the last s are the right trim.
         return y[..., s:(num + 1) * s], gather_tail(full, lens, 1, self.channels_last)
 
@@ -301,21 +307,34 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
 
-    def forward(self, x: Tensor, tail: Tensor, lens: Tensor) -> tuple[Tensor, Tensor | None]:
-        if self.conv1.channels_last and FOLD_CONV_BIAS:
-            return self._forward_channels_last(x, tail, lens)
+    def folds_bias(self) -> bool:
+        """Whether this unit adds conv biases inside other kernels (``_forward_channels_last``), and so can
+        take an input still lacking the bias of the conv before it (``x_bias``)."""
+        return self.conv1.channels_last and FOLD_CONV_BIAS
+
+    def forward(self, x: Tensor, tail: Tensor, lens: Tensor,
+                x_bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """``x_bias`` (only where ``folds_bias``): ``x`` lacks this per-channel bias (the block's transposed
+        conv left it out); the unit computes on ``x + x_bias`` without a pass to add it."""
+        if self.folds_bias():
+            return self._forward_channels_last(x, tail, lens, x_bias)
+        if x_bias is not None:
+            raise ValueError("x_bias is taken only where the unit folds conv biases (channels-last)")
         h, tail = self.conv1(x, tail, lens, act=self.act1)
         h, _ = self.conv2(h, None, lens, act=self.act2)
         return x + h, tail
 
-    def _forward_channels_last(self, x: Tensor, tail: Tensor, lens: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The same unit with no pass of its own for either conv's bias: conv1's is added inside the second
-        SnakeBeta's kernel, and the 1x1 conv2 runs as the matmul over channels it is ([B*T, C] rows, which
-        channels-last activations are), its bias in the matmul's epilogue. PyTorch adds a cuDNN conv's bias
-        in a separate broadcast kernel over the whole output (an H200 profile of a 64 x 8-frame codec step:
-        ~55 such strided kernels, 4.5 of 17 ms)."""
-        h, tail = self.conv1(x, tail, lens, act=self.act1, with_bias=False)
+    def _forward_channels_last(self, x: Tensor, tail: Tensor, lens: Tensor,
+                               x_bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The same unit with no pass of its own for any conv's bias: ``x_bias`` is added inside the first
+        SnakeBeta's kernel, conv1's inside the second's, and the 1x1 conv2 runs as the matmul over channels it
+        is ([B*T, C] rows, which channels-last activations are), its bias and ``x_bias`` (the residual's) in
+        the matmul's epilogue. PyTorch adds a cuDNN conv's bias in a separate broadcast kernel over the whole
+        output (an H200 profile of a 64 x 8-frame codec step: ~55 such strided kernels, 4.5 of 17 ms)."""
+        h, tail = self.conv1(x, tail, lens, act=self.act1, with_bias=False, act_bias=x_bias)
         a = self.act2(h, bias=self.conv1.conv.bias)
-        w = self.conv2.conv.weight
-        h = F.linear(a.transpose(1, 2), w.view(w.shape[0], w.shape[1]), self.conv2.conv.bias)
+        w, bias = self.conv2.conv.weight, self.conv2.conv.bias
+        if x_bias is not None:
+            bias = x_bias if bias is None else bias + x_bias
+        h = F.linear(a.transpose(1, 2), w.view(w.shape[0], w.shape[1]), bias)
         return x + h.transpose(1, 2), tail
