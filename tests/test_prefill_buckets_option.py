@@ -30,3 +30,21 @@ async def test_a_valid_option_is_accepted():
                            platform="cpu")
     worker = build_talker(profile.stage("talker"), profile)
     worker.runner.close()
+
+
+@pytest.mark.parametrize("packed, token_buckets, want", [
+    (True, None, "packed"),  # the default
+    (True, (32, 96, 224), "padded"),  # a tuned bucket list is the padded graphs' and is honoured
+    (False, None, "padded"),  # OMNILOOP_PACKED_PREFILL=0
+])
+def test_the_prefill_graphs_honour_a_given_bucket_list(monkeypatch: pytest.MonkeyPatch, packed: bool,
+                                                       token_buckets: tuple[int, ...] | None, want: str) -> None:
+    from omniloop.gpu import prefill_graphs
+
+    built = []
+    monkeypatch.setattr(prefill_graphs, "PACKED", packed)
+    monkeypatch.setattr(prefill_graphs, "PackedPrefillGraphs", lambda state, stream: built.append(("packed", None)))
+    monkeypatch.setattr(prefill_graphs, "PrefillGraphs", lambda state, stream, max_rows, token_buckets: built.append(
+        ("padded", token_buckets)))
+    prefill_graphs.build_prefill_graphs(None, None, 8, token_buckets)
+    assert built == [(want, None if want == "packed" else token_buckets or TOKEN_BUCKETS)]

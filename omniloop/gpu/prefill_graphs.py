@@ -177,6 +177,16 @@ class PackedPrefillGraphs(_CapturedPrefill):
         return self._replay(bucket), np.stack((last, np.zeros_like(last)))
 
 
+def build_prefill_graphs(state: TalkerState, stream: torch.cuda.Stream | None, max_rows: int,
+                         token_buckets: tuple[int, ...] | None = None) -> PrefillGraphs | PackedPrefillGraphs:
+    """The runner's prefill graphs: packed prompts (``PACKED``, the default), or the padded (rows x tokens)
+    graphs when ``PACKED`` is off or the stage names per-prompt ``token_buckets`` (its
+    ``prefill_token_buckets`` option), which only the padded graphs have: a tuned bucket list is never ignored."""
+    if PACKED and token_buckets is None:
+        return PackedPrefillGraphs(state, stream)
+    return PrefillGraphs(state, stream, max_rows=max_rows, token_buckets=token_buckets or TOKEN_BUCKETS)
+
+
 def packed_layout(lens: np.ndarray, slots: np.ndarray, bucket: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     """Prompts of ``lens`` tokens (slots ``slots``) laid end to end in ``bucket`` token rows: ``[3, bucket]``
     of each token's position (from 0 in its prompt), slot and prompt start, padding tokens on the scratch

@@ -26,8 +26,7 @@ from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets, kv_buckets
 from omniloop.gpu.host_copy import to_device
 from omniloop.gpu.kv_budget import module_bytes, size_talker_kv
 from omniloop.gpu.observer import CudaObserver
-from omniloop.gpu import prefill_graphs as packing  # PACKED, read when a runner starts
-from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, PackedPrefillGraphs, PrefillGraphs
+from omniloop.gpu.prefill_graphs import PackedPrefillGraphs, PrefillGraphs, build_prefill_graphs
 from omniloop.gpu.runner import CpuRunner, Runner
 from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, build_prompts
@@ -50,7 +49,7 @@ class TalkerSteps:
 
     def __init__(self, model: Qwen3TtsModel, device: torch.device, max_num_seqs: int, max_len: int,
                  graphs: tuple[tuple[int, ...], tuple[int, ...]] | None, stream: torch.cuda.Stream | None,
-                 prefill_graphs: bool = True, prefill_token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:
+                 prefill_graphs: bool = True, prefill_token_buckets: tuple[int, ...] | None = None) -> None:
         self.model, self.device = model, device
         if device.type == "cuda":
             model.fuse_projections()
@@ -59,9 +58,7 @@ class TalkerSteps:
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
         self.prefill_graphs: PrefillGraphs | PackedPrefillGraphs | None = None
         if graphs is not None and prefill_graphs:
-            self.prefill_graphs = (PackedPrefillGraphs(self.state, stream) if packing.PACKED else
-                                   PrefillGraphs(self.state, stream, max_rows=max_num_seqs,
-                                                 token_buckets=prefill_token_buckets))
+            self.prefill_graphs = build_prefill_graphs(self.state, stream, max_num_seqs, prefill_token_buckets)
         # a voice clone's reference frames, sent with its first frame so the codec primes its state
         self.context: dict[int, np.ndarray] = {}
         # slot -> why its request could not be admitted; its later pieces (already planned: async overlap)
@@ -268,7 +265,7 @@ class CudaTalkerRunner(Runner):
     def __init__(self, model: Qwen3TtsModel, *, device: torch.device, max_num_seqs: int, max_len: int,
                  use_cuda_graphs: bool, doorway: Doorway | None = None,
                  graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-                 prefill_graphs: bool = True, prefill_token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> None:
+                 prefill_graphs: bool = True, prefill_token_buckets: tuple[int, ...] | None = None) -> None:
         super().__init__(doorway)
         self.device = device
         # the highest priority the device has: where stages share a process (placement thread), the GPU's
@@ -312,11 +309,11 @@ def TalkerRunner(model: Qwen3TtsModel, *, device: torch.device | str, max_num_se
                  use_cuda_graphs: bool, doorway: Doorway | None = None, gpu_memory_fraction: float | None = None,
                  graph_buckets: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
                  stage: str = "talker", prefill_graphs: bool = True,
-                 prefill_token_buckets: tuple[int, ...] = TOKEN_BUCKETS) -> CpuTalkerRunner | CudaTalkerRunner:
+                 prefill_token_buckets: tuple[int, ...] | None = None) -> CpuTalkerRunner | CudaTalkerRunner:
     """The talker runner for ``device``: the CUDA runner (graphs optional) or the CPU one.
 
-    ``prefill_graphs`` (CUDA, with ``use_cuda_graphs``): also capture the batched prefill (``PrefillGraphs``), one
-    graph per (rows, tokens) bucket with tokens from ``prefill_token_buckets``.
+    ``prefill_graphs`` (CUDA, with ``use_cuda_graphs``): also capture the batched prefill: packed prompts, or one
+    graph per (rows, tokens) bucket where ``prefill_token_buckets`` names the tokens (``build_prefill_graphs``).
     ``gpu_memory_fraction`` (CUDA): check that ``max_num_seqs`` x ``max_len`` fits the stage's share of
     device memory before allocating, with an error naming the numbers (see ``kv_budget``)."""
     device = torch.device(device)

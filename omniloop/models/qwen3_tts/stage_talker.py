@@ -112,7 +112,7 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def build_talker(stage: Any, profile: Any) -> Worker:
-    from omniloop.gpu.prefill_graphs import TOKEN_BUCKETS, check_token_buckets
+    from omniloop.gpu.prefill_graphs import check_token_buckets
     from omniloop.gpu.talker_runner import TalkerRunner
 
     ckpt = resolve_checkpoint(profile)
@@ -121,8 +121,9 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     use_graphs = bool(opts.pop("cuda_graphs", stage.device.startswith("cuda")))
     prefill_graphs = bool(opts.pop("prefill_cuda_graphs", use_graphs))
     max_ref_seconds = float(opts.pop("max_ref_seconds", 60.0))
+    token_buckets = opts.pop("prefill_token_buckets", None)  # given: the padded prefill graphs with these
     try:
-        token_buckets = check_token_buckets(opts.pop("prefill_token_buckets", TOKEN_BUCKETS))
+        token_buckets = check_token_buckets(token_buckets) if token_buckets is not None else None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"stage {stage.name!r}: option prefill_token_buckets: {exc}") from None
     if opts:
