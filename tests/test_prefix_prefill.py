@@ -93,3 +93,27 @@ def test_packed_call_is_refused_unless_one_token_a_row() -> None:
     with pytest.raises(ValueError, match="packed"):
         stack(x, torch.zeros(4, 2, dtype=torch.long), cache, cache.clone(), torch.zeros(4, dtype=torch.long), 2,
               prefix=True, seq_start=torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_packed_prompts_of_a_head_dim_the_kernel_cannot_take_run_on_cuda() -> None:
+    """Head dim 8 (not a tile the packed-attention kernel takes): the packed call on CUDA uses torch's form of
+    the same math instead of failing, and gives the CPU's hidden states."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, hidden_size=32, head_dim=8)
+    torch.manual_seed(2)
+    stack = DecoderStack(cfg)
+    lens, max_len = [3, 4], 8
+    host, _ = packed_layout(np.array(lens), np.array([1, 0]), 8, max_len)
+    positions, slots, seq_start = (torch.from_numpy(row) for row in host)
+    x = torch.randn(8, 1, cfg.hidden_size)
+    cache = torch.zeros(cfg.num_layers, 2, cfg.num_kv_heads, max_len + 1, cfg.head_dim)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        s = stack.to(dev)
+        with torch.no_grad():
+            out[dev] = s(x.to(dev), positions[:, None].to(dev), cache.clone().to(dev), cache.clone().to(dev),
+                         slots.to(dev), 1, prefix=True, seq_start=seq_start.to(dev)).cpu()
+    torch.testing.assert_close(out["cuda"][:sum(lens)], out["cpu"][:sum(lens)], rtol=1e-4, atol=1e-4)

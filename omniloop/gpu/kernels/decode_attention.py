@@ -177,8 +177,9 @@ def _launch(src: torch.Tensor, q_strides: tuple[int, ...], shape: tuple[int, int
     return out
 
 
-def fresh_head_dim_ok(d: int) -> bool:
-    """Whether ``decode_attention_fresh`` takes heads of ``d`` (its per-head norm and rope run as tile dots)."""
+def dot_head_dim_ok(d: int) -> bool:
+    """Whether the kernels that run a head as one tile dimension (``decode_attention_fresh``'s per-head norm and
+    rope, ``packed_attention``) take heads of ``d``: a power of two of at least 16."""
     return d >= 16 and not d & (d - 1)
 
 
@@ -200,7 +201,7 @@ def decode_attention_fresh(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: in
     if width != (num_q_heads + 2 * num_kv_heads) * d or hkv != num_kv_heads or num_q_heads % num_kv_heads:
         raise ValueError(f"qkv rows of width {width} are not {num_q_heads} + 2 * {num_kv_heads} heads of {d}, "
                          f"or the cache holds {hkv} kv heads")
-    if not fresh_head_dim_ok(d):
+    if not dot_head_dim_ok(d):
         raise ValueError(f"head dim {d} is not a power of two of at least 16")
     if (k_cache.dtype != qkv.dtype or k_cache.shape != v_cache.shape or k_cache.stride(3) != 1
             or v_cache.stride(3) != 1 or k_cache.shape[3] != d):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from omniloop.gpu.kernels.decode_attention import LOG2E, _softmax_block
+from omniloop.gpu.kernels.decode_attention import LOG2E, _softmax_block, dot_head_dim_ok
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_star
     ``[P, Hq, D]`` contiguous. Read on the device: no host sync, graph-capturable."""
     _check(q, k, v, seq_start)
     p, hq, d = q.shape
-    if d < 16 or d & (d - 1):
+    if not dot_head_dim_ok(d):
         raise ValueError(f"head dim {d} is not a power of two of at least 16")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(2) != 1 or t.stride(1) != d:

@@ -238,10 +238,10 @@ class Attention(nn.Module):
 
     def _fresh_attention(self, s: StackStep) -> bool:
         """Decode-kernel attention that also normalizes, rotates and stores the new keys (FUSED_QKV_ATTENTION)."""
-        from omniloop.gpu.kernels.decode_attention import fresh_head_dim_ok
+        from omniloop.gpu.kernels.decode_attention import dot_head_dim_ok
 
         return (FUSED_QKV_ATTENTION and FUSED_KV_WRITE and s.decode_lengths is not None and not s.prefix
-                and fresh_head_dim_ok(self.head_dim) and self._is_fused_path(s))
+                and dot_head_dim_ok(self.head_dim) and self._is_fused_path(s))
 
     def attend_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    s: StackStep) -> torch.Tensor:
@@ -286,8 +286,11 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         if s.seq_start is not None:  # packed prompts: [P, 1, heads, D], one token a row
             from omniloop.gpu.kernels import packed_attention as packed
+            from omniloop.gpu.kernels.decode_attention import dot_head_dim_ok
 
-            attend = packed.packed_attention if q.is_cuda else packed.packed_attention_reference
+            # the kernel on CUDA where it takes the head dim; else torch's dense-mask form of the same math
+            use_kernel = q.is_cuda and dot_head_dim_ok(self.head_dim)
+            attend = packed.packed_attention if use_kernel else packed.packed_attention_reference
             return attend(q[:, 0], k[:, 0], v[:, 0], s.seq_start).reshape(b, n, -1)
         if s.prefix:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
