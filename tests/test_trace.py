@@ -4,6 +4,7 @@ a Chrome/Perfetto trace in which each stage's steps and each request's lifetime 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -53,7 +54,7 @@ async def test_trace_records_every_stage_step_and_request(tmp_path, monkeypatch,
     talker_steps = [e for e in steps if e["pid"] == next(e2["pid"] for e2 in events
                                                           if e2["ph"] == "M" and e2["args"]["name"] == "talker")]
     host = [e["args"]["schedule_ms"] + e["args"]["submit_ms"] for e in talker_steps]
-    assert talker["host_ms_total"] == round(sum(host), 1) and talker["host_ms_max"] == round(max(host), 2)
+    assert talker["host_ms_total"] == round(math.fsum(host), 1) and talker["host_ms_max"] == round(max(host), 2)
 
 
 def test_tracing_is_off_by_default(tmp_path, monkeypatch) -> None:

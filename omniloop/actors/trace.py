@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -125,7 +126,7 @@ def summarize(trace: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "p95_step_ms": durations[min(len(durations) - 1, int(0.95 * len(durations)))] / 1000.0,
             "median_spacing_ms": spacing[len(spacing) // 2] / 1000.0 if spacing else 0.0,
             "busy_fraction": busy / total if total > 0 else 0.0,
-            "host_ms_total": round(sum(host), 1),
+            "host_ms_total": round(math.fsum(host), 1),  # exact: no summation-order rounding
             "host_ms_max": round(host[-1], 2),
             "longest_steps": [{"ms": round(e["dur"] / 1000.0, 2), "at_ms": round((e["ts"] - items[0][0]) / 1000.0, 1),
                                **e.get("args", {})} for e in longest],
