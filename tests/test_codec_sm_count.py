@@ -49,15 +49,16 @@ def test_the_codec_stage_refuses_sm_count_on_cpu_before_loading_anything(monkeyp
 
 
 @pytest.mark.gpu
-def test_a_partitioned_codec_runner_decodes_the_same_pcm(tts_fixtures) -> None:
+def test_a_partitioned_codec_runner_decodes_the_same_pcm() -> None:
     from omniloop.models.qwen3_tts.speech_stream import CodecStreams
     from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
+    from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
     from omniloop.scheduler.plan import CodecSeq, CodecStepPlan
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    decoder = SpeechTokenizer.load(tts_fixtures.ckpt("a", "base"), device="cuda", dtype=torch.float32,
-                                   with_encoder=False).decoder
+    decoder = SpeechTokenizer.load(ensure_tiny_checkpoint("custom_voice"), device="cuda", dtype=torch.float32,
+                                   load_format="dummy", with_encoder=False, seed=3).decoder
     codes = np.random.default_rng(3).integers(0, 2048, (2, 6, 16), dtype=np.int64)
     pcm = {}
     for sms in (None, 8):

@@ -54,7 +54,9 @@ def green_stream(num_sms: int, device: torch.device) -> torch.cuda.Stream:
 _KEEP: list[PartitionedStream] = []
 
 
-def build_talker(device: torch.device) -> tuple[FrameGraphs, torch.cuda.Stream]:
+def build_talker(device: torch.device) -> tuple[FrameGraphs, TalkerState, torch.cuda.Stream]:
+    """The graphs do not hold the state they were captured on: the caller keeps ``state`` (and so the model)
+    alive, or the replays read freed memory."""
     cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))
     model = Qwen3TtsModel(cfg, device=device, dtype=torch.bfloat16).eval()
     with torch.no_grad():
@@ -67,13 +69,13 @@ def build_talker(device: torch.device) -> tuple[FrameGraphs, torch.cuda.Stream]:
     for slot in range(ROWS):
         state.reset(slot, torch.zeros(1, 1), torch.zeros(4, hidden, device=device), SAMPLED, slot)
     state.next_input.normal_()
-    state.active[:] = True
-    state.positions[:] = CONTEXT - 1
     stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
     with torch.cuda.stream(stream), torch.no_grad():
-        graphs = FrameGraphs(state, stream, (ROWS,), (CONTEXT,))
+        graphs = FrameGraphs(state, stream, (ROWS,), (CONTEXT,))  # captures with every row idle
+    state.active[:] = True
+    state.positions[:] = CONTEXT - 1  # every row reads the whole bucket: CONTEXT keys
     stream.synchronize()
-    return graphs, stream
+    return graphs, state, stream
 
 
 def build_codec(device: torch.device, eager: bool) -> CodecStreams:
@@ -124,7 +126,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     configure_cuda_stage()
     torch.backends.cudnn.benchmark = True  # as the codec stage's profile sets it
-    graphs, talker_stream = build_talker(device)
+    graphs, state, talker_stream = build_talker(device)  # state: kept alive for the replays
     streams = build_codec(device, args.codec_eager)
     rng = np.random.default_rng(0)
     chunks = [(f"r{i}", rng.integers(0, 2048, (CHUNK, 16), dtype=np.int64)) for i in range(ROWS)]
