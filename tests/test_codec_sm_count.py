@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from omniloop.gpu.sm_partition import check_sm_count
+from omniloop.gpu.sm_partition import PartitionedStream, check_sm_count
 from omniloop.models.qwen3_tts import stage_codec
 from omniloop.profile import load_profile
 
@@ -49,7 +49,9 @@ def test_the_codec_stage_refuses_sm_count_on_cpu_before_loading_anything(monkeyp
 
 
 @pytest.mark.gpu
-def test_a_partitioned_codec_runner_decodes_the_same_pcm() -> None:
+async def test_a_partitioned_codec_runner_decodes_the_same_pcm() -> None:
+    """Graphs captured on the confined stream (as ``build_codec`` does) decode what plain ones do, and the
+    runner releases the partition at close."""
     from omniloop.models.qwen3_tts.speech_stream import CodecStreams
     from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
     from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
@@ -62,7 +64,10 @@ def test_a_partitioned_codec_runner_decodes_the_same_pcm() -> None:
     codes = np.random.default_rng(3).integers(0, 2048, (2, 6, 16), dtype=np.int64)
     pcm = {}
     for sms in (None, 8):
-        runner = stage_codec.CodecRunner(CodecStreams(decoder, max_streams=2, initial_slots=2), sm_count=sms)
+        partition = PartitionedStream(sms, torch.device("cuda")) if sms is not None else None
+        streams = CodecStreams(decoder, max_streams=2, initial_slots=2,
+                               capture_stream=partition.stream if partition is not None else None)
+        runner = stage_codec.CodecRunner(streams, partition=partition)
         try:
             plans = [CodecStepPlan(step, [CodecSeq(f"r{i}", i, 3 * step, 3 * step + 3,
                                                    codes[i, 3 * step:3 * step + 3], step == 0, step == 1)
@@ -74,4 +79,4 @@ def test_a_partitioned_codec_runner_decodes_the_same_pcm() -> None:
         if sms is not None:
             assert runner._partition is None and runner._stream is None  # the green context is released
     for got, want in zip(pcm[8], pcm[None]):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

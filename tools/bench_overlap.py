@@ -78,10 +78,10 @@ def build_talker(device: torch.device) -> tuple[FrameGraphs, TalkerState, torch.
     return graphs, state, stream
 
 
-def build_codec(device: torch.device, eager: bool) -> CodecStreams:
+def build_codec(device: torch.device, eager: bool, stream: torch.cuda.Stream) -> CodecStreams:
     tok = SpeechTokenizer.load(ensure_tiny_checkpoint("custom_voice", size="1.7b"), device=str(device),
                                dtype=torch.bfloat16, load_format="dummy", with_encoder=False)
-    streams = CodecStreams(tok.decoder, max_streams=ROWS, initial_slots=ROWS, graphs=not eager)
+    streams = CodecStreams(tok.decoder, max_streams=ROWS, initial_slots=ROWS, graphs=not eager, capture_stream=stream)
     for i in range(ROWS):
         streams.open(f"r{i}")
     return streams
@@ -132,11 +132,11 @@ def main() -> None:
     steps = max(1, args.frames // CHUNK)
     codec_streams = {"normal": torch.cuda.Stream(device)}
     codec_streams.update({f"sms={n}": green_stream(n, device) for n in args.codec_sms})
-    # one decoder per stream, warmed up (graphs captured, cuDNN timed) on that stream: a graph's kernels keep
-    # the context they were captured in, so graphs captured on a plain stream replay on every SM anywhere
+    # one decoder per stream, its graphs captured (cuDNN timed) on that stream: a graph's kernels keep the
+    # context they were captured in, so graphs captured on a plain stream replay on every SM anywhere
     codecs = {}
     for name, s in codec_streams.items():
-        codecs[name] = build_codec(device, args.codec_eager)
+        codecs[name] = build_codec(device, args.codec_eager, s)
         codec_loop(codecs[name], s, 2, chunks)
     talker_loop(graphs, talker_stream, 5)
     rows = []

@@ -32,21 +32,19 @@ log = get_logger(__name__)
 
 
 class CodecRunner(CpuRunner):
-    def __init__(self, streams: CodecStreams, name: str = "codec", sm_count: int | None = None) -> None:
+    def __init__(self, streams: CodecStreams, name: str = "codec",
+                 partition: PartitionedStream | None = None) -> None:
         super().__init__(name)
         self.streams = streams
         # its own stream at normal priority (below the talker's): in a shared process the talker's kernels go
-        # first, and nothing waits on the legacy default stream. ``sm_count``: that stream's kernels run on so
-        # many SMs only (gpu/sm_partition.py), the rest stay free for the talker's
+        # first, and nothing waits on the legacy default stream. ``partition``: that stream's kernels run on
+        # part of the SMs only (gpu/sm_partition.py; ``streams`` must have captured its graphs on it), the rest
+        # stay free for the talker's; the runner owns it from here and releases it at close
         self._stream = None
-        self._partition: PartitionedStream | None = None
+        self._partition = partition
         self._device = streams.device
         if self._device.type == "cuda":
-            if sm_count is not None:
-                self._partition = PartitionedStream(sm_count, self._device)
-                self._stream = self._partition.stream
-            else:
-                self._stream = torch.cuda.Stream(self._device)
+            self._stream = partition.stream if partition is not None else torch.cuda.Stream(self._device)
             self._stream.wait_stream(torch.cuda.current_stream(self._device))  # the warm-up's writes first
         self._owner: dict[int, str] = {}  # scheduler slot -> req_id whose stream is open there
 
@@ -142,21 +140,29 @@ def build_codec(stage: Any, profile: Any) -> Worker:
         torch.backends.cudnn.benchmark = True
     tokenizer = SpeechTokenizer.load(ckpt.path, device=stage.device, dtype=dtype, load_format=ckpt.load_format,
                                      with_encoder=False, seed=profile.seed)
-    # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
-    streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
-                           initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs))
-    chunking = profile.chunking
-    frames = max(chunking.frames, chunking.initial_frames)
-    if budget is not None:
-        budget.check(0)  # weights and decoder state alone
-    if is_cuda and warmup_frames > 0:
-        num = streams.warmup(warmup_frames, max_frames=frames, check=budget.check if budget else None)
-        log.info("codec_graphs_captured", stage=stage.name, num_graphs=num,
-                 reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
+    # the SM partition first: the graphs must be captured on its stream to run confined
+    partition = PartitionedStream(sm_count, torch.device(stage.device)) if sm_count is not None else None
+    try:
+        # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
+        streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
+                               initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs),
+                               capture_stream=partition.stream if partition is not None else None)
+        chunking = profile.chunking
+        frames = max(chunking.frames, chunking.initial_frames)
+        if budget is not None:
+            budget.check(0)  # weights and decoder state alone
+        if is_cuda and warmup_frames > 0:
+            num = streams.warmup(warmup_frames, max_frames=frames, check=budget.check if budget else None)
+            log.info("codec_graphs_captured", stage=stage.name, num_graphs=num, sm_count=sm_count,
+                     reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
+    except BaseException:
+        if partition is not None:
+            partition.close()
+        raise
     scheduler = CodecScheduler(CodecConfig(
         stage=stage.name, max_num_seqs=stage.max_num_seqs,
         max_frames_per_step=max(stage.max_num_tokens, frames),
         initial_frames=chunking.initial_frames, frames=frames, urgent_s=chunking.urgent_s,
         join_fraction=chunking.join_fraction,
     ))
-    return Worker(scheduler, CodecRunner(streams, name=stage.name, sm_count=sm_count))
+    return Worker(scheduler, CodecRunner(streams, name=stage.name, partition=partition))
