@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omniloop.models.qwen3_tts.speech_layers import (
-    CausalConv, CausalTransConv, ResidualUnit, depthwise_taps, new_frames, snake_layout,
+    CausalConv, CausalTransConv, ResidualUnit, new_frames, snake_layout,
 )
 from omniloop.models.qwen3_tts.speech_stream import CodecStreams
 from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
@@ -63,8 +63,7 @@ def test_weights_relaid_in_place_not_copied(decoders) -> None:
 def test_convs_see_channels_last_tensors(decoders, monkeypatch) -> None:
     """Every conv of the channels-last decoder runs 2-D on NHWC-contiguous input and weight and returns NHWC
     (so cuDNN would transpose nothing); none runs as a 1-D conv. The residual units' 1x1 convs run as the
-    matmul over channels they are (bias in the matmul, not a separate pass), and the depthwise convs as
-    shifted multiply-adds (``depthwise_taps``), so they are not among them."""
+    matmul over channels they are (bias in the matmul, not a separate pass), so they are not among them."""
     _, cl = decoders[torch.float32]
     seen: list[bool] = []
     F = torch.nn.functional
@@ -86,8 +85,7 @@ def test_convs_see_channels_last_tensors(decoders, monkeypatch) -> None:
     cl.decode(codes, torch.tensor([3, 1]))
     num_convs = sum(isinstance(m, (CausalConv, CausalTransConv)) for m in cl.modules())
     num_units = sum(isinstance(m, ResidualUnit) for m in cl.modules())
-    num_depthwise = sum(isinstance(m, CausalConv) and m.conv.groups > 1 for m in cl.modules())  # shifted adds
-    assert num_units and num_depthwise and len(seen) == num_convs - num_units - num_depthwise and all(seen)
+    assert num_units and len(seen) == num_convs - num_units and all(seen)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,43 +195,3 @@ def test_only_channels_last_units_take_an_input_lacking_a_bias(decoders) -> None
     tail = torch.zeros(1, *ref_unit.conv1.tail_shape())
     with pytest.raises(ValueError, match="x_bias"):
         ref_unit(x, tail, torch.tensor([2]), x_bias=torch.zeros(x.shape[1]))
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("dilation,with_bias", [(1, True), (3, True), (1, False)])
-def test_depthwise_taps_equal_a_grouped_conv(dtype: torch.dtype, tol: float, dilation: int, with_bias: bool) -> None:
-    """The channels-last depthwise conv (ConvNeXt's, k=7) runs as shifted multiply-adds accumulated in float32
-    (cuDNN's grouped kernel crawls on an SM-confined stream): the grouped conv's values, in the input's
-    channels-last layout."""
-    g = torch.Generator().manual_seed(dilation)
-    x = torch.randn(3, 24, 40, generator=g).transpose(1, 2).contiguous().transpose(1, 2).to(dtype)  # [B, C, L]
-    w = torch.randn(24, 1, 7, generator=g).to(dtype)
-    b = torch.randn(24, generator=g).to(dtype) if with_bias else None
-    got = depthwise_taps(x, w, b, dilation)
-    want = torch.nn.functional.conv1d(x.double(), w.double(), None if b is None else b.double(), dilation=dilation,
-                                      groups=24)
-    assert got.dtype == dtype and got.shape == want.shape and got.stride()[1] == 1  # channels-last kept
-    scale = want.abs().max().item()
-    assert (got.double() - want).abs().max().item() <= tol * scale
-
-
-def test_channels_last_convnext_blocks_take_the_taps(decoders, monkeypatch) -> None:
-    """Every depthwise conv of the channels-last decoder goes through ``depthwise_taps`` (none through cuDNN),
-    and with the switch off they go back to the 2-D conv: same PCM either way."""
-    _, cl = decoders[torch.float32]
-    import omniloop.models.qwen3_tts.speech_layers as sl
-    calls: list[int] = []
-
-    def counted(*args, **kw):
-        calls.append(1)
-        return depthwise_taps(*args, **kw)
-    monkeypatch.setattr(sl, "depthwise_taps", counted)
-    codes = torch.from_numpy(np.random.default_rng(5).integers(0, 2048, (2, 6, 16)))
-    with torch.inference_mode():
-        taps = cl.decode(codes)
-        assert calls
-        monkeypatch.setattr(sl, "DEPTHWISE_TAPS", False)
-        n = len(calls)
-        conv = cl.decode(codes)
-    assert len(calls) == n
-    assert_same_pcm(taps.numpy(), conv.numpy())

@@ -22,10 +22,6 @@ from torch import Tensor, nn
 # Channels-last residual units add their convs' biases inside other kernels (``ResidualUnit``); a switch so
 # benchmarks can measure the separate bias passes it removes (``tools/bench_codec.py --no-fold-bias``)
 FOLD_CONV_BIAS = True
-# Channels-last depthwise convs (ConvNeXt's k=7) as k multiply-adds over shifted views instead of cuDNN: on a
-# CUDA green context (an SM-confined stream) cuDNN falls back to a grouped direct kernel that took 437 of a
-# 453 ms codec step on the H200 (the whole step takes 13.7 ms on a plain stream)
-DEPTHWISE_TAPS = True
 
 try:  # the fused SnakeBeta kernel on CUDA; elsewhere (and without Triton) the plain torch ops
     import triton
@@ -201,19 +197,6 @@ class SnakeBeta(nn.Module):
         return out
 
 
-def depthwise_taps(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
-    """A depthwise conv (``weight [C, 1, k]``, no padding) of ``x [B, C, L]`` as ``k`` multiply-adds of shifted
-    views, accumulated in float32 as cuDNN does; the output keeps ``x``'s layout (channels-last stays so)."""
-    k = weight.shape[-1]
-    n = x.shape[-1] - (k - 1) * dilation
-    w = weight[:, 0, :, None].float()  # [C, k, 1]
-    start = bias.float()[:, None] if bias is not None else torch.zeros_like(w[:, 0])
-    acc = torch.addcmul(start, x[..., :n], w[:, 0])
-    for j in range(1, k):
-        acc.addcmul_(x[..., j * dilation:j * dilation + n], w[:, j])
-    return acc.to(x.dtype)
-
-
 class _ConvLayer(nn.Module):
     """What the causal convs share: the layout switch and the conv call in either layout."""
 
@@ -240,10 +223,8 @@ class _ConvLayer(nn.Module):
             return c(x)
         # [B, C, 1, T] views of channels-last [B, C, T] activations and of the [O, k, I]-stored weight are
         # NHWC contiguous, so cuDNN runs its NHWC kernels without a layout transpose either side
-        bias = c.bias if with_bias else None
-        if DEPTHWISE_TAPS and isinstance(c, nn.Conv1d) and 1 < c.groups == c.in_channels == c.out_channels:
-            return depthwise_taps(x, c.weight, bias, c.dilation[0])
         x4, w4 = x.unsqueeze(2), c.weight.unsqueeze(2)
+        bias = c.bias if with_bias else None
         if isinstance(c, nn.ConvTranspose1d):
             return F.conv_transpose2d(x4, w4, bias, stride=(1, c.stride[0])).squeeze(2)
         return F.conv2d(x4, w4, bias, dilation=(1, c.dilation[0]), groups=c.groups).squeeze(2)
