@@ -1,25 +1,20 @@
-"""Do the talker's frames and the codec's steps overlap on one GPU, and does an SM partition make them?
+"""Do the talker's frames and the codec's steps overlap on one GPU?
 
 At 64 streams a wave's GPU time is the plain sum of the talker's frames (~100 x 5.4 ms), its admission plans
-and the codec's steps (~12.5 x 14.4 ms): the talker's stream has the device's highest priority, yet its short,
+and the codec's steps (~12.5 x 13.7 ms): the talker's stream has the device's highest priority, yet its short,
 launch-bound kernels wait behind the codec's long conv kernels for SMs (benchmarks/pipeline.md). This times,
 on the real-size Qwen3-TTS-1.7B talker and speech decoder (random weights, bf16, CUDA graphs as the stages
 run them):
 
 - the talker alone: ``--frames`` frame replays at 64 rows (high-priority stream, as ``TalkerRunner``);
 - the codec alone: ``--frames / 8`` steps of 64 streams x 8 frames (what those frames feed the codec);
-- both at once from two threads, the codec on a normal-priority stream (as the stages run today);
-- with ``--codec-sms N``, the codec is confined to ``N`` SMs by a CUDA green context (``gpu/sm_partition.py``,
-  what the codec stage's ``options.sm_count`` does; the talker keeps the whole device).
-
-One codec setup per process: cuDNN's benchmark cache is process-wide and keyed by shape only, so an algorithm
-timed on the whole device is reused on a green context's stream, where some are not supported
-(CUDNN_STATUS_NOT_SUPPORTED on the H200); the codec stage times its own, on its own stream.
+- both at once from two threads, the codec on a normal-priority stream (as the stages run).
 
 Each line is JSON: wall ms of the mode, and for the overlapped one the serial sum and the share of it saved.
-Run where both stages would run (one GPU), once per setup:
+(Confining the codec to part of the SMs with a CUDA green context was measured and dropped: cuDNN falls back
+to a grouped direct kernel there, 454 ms a step on 100 SMs; benchmarks/pipeline.md.)
 
-    python tools/bench_overlap.py --frames 96 [--codec-sms 66] [--codec-eager] [--out overlap.json]
+    python tools/bench_overlap.py --frames 96 [--codec-eager] [--out overlap.json]
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ import torch
 
 from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.gpu.cuda_graphs import FrameGraphs
-from omniloop.gpu.sm_partition import PartitionedStream
 from omniloop.gpu.talker_runner import HIGH_PRIORITY
 from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts.config import load_tts_config
@@ -45,16 +39,6 @@ from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
 from tools.bench_talker import SAMPLED
 
 ROWS, CONTEXT, CHUNK = 64, 256, 8
-
-
-def green_stream(num_sms: int, device: torch.device) -> torch.cuda.Stream:
-    """The codec stage's ``options.sm_count`` stream (``gpu/sm_partition.py``), kept alive for the run."""
-    partition = PartitionedStream(num_sms, device)
-    _KEEP.append(partition)
-    return partition.stream
-
-
-_KEEP: list[PartitionedStream] = []
 
 
 def build_talker(device: torch.device) -> tuple[FrameGraphs, TalkerState, torch.cuda.Stream]:
@@ -81,10 +65,10 @@ def build_talker(device: torch.device) -> tuple[FrameGraphs, TalkerState, torch.
     return graphs, state, stream
 
 
-def build_codec(device: torch.device, eager: bool, stream: torch.cuda.Stream) -> CodecStreams:
+def build_codec(device: torch.device, eager: bool) -> CodecStreams:
     tok = SpeechTokenizer.load(ensure_tiny_checkpoint("custom_voice", size="1.7b"), device=str(device),
                                dtype=torch.bfloat16, load_format="dummy", with_encoder=False)
-    streams = CodecStreams(tok.decoder, max_streams=ROWS, initial_slots=ROWS, graphs=not eager, capture_stream=stream)
+    streams = CodecStreams(tok.decoder, max_streams=ROWS, initial_slots=ROWS, graphs=not eager)
     for i in range(ROWS):
         streams.open(f"r{i}")
     return streams
@@ -119,7 +103,6 @@ def timed(*jobs) -> float:  # noqa: ANN002
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=96, help="talker frames; the codec runs frames / 8 steps")
-    parser.add_argument("--codec-sms", type=int, help="confine the codec to this many SMs (default: all)")
     parser.add_argument("--codec-eager", action="store_true", help="the codec without CUDA graphs")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out")
@@ -133,11 +116,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     chunks = [(f"r{i}", rng.integers(0, 2048, (CHUNK, 16), dtype=np.int64)) for i in range(ROWS)]
     steps = max(1, args.frames // CHUNK)
-    name = "normal" if args.codec_sms is None else f"sms={args.codec_sms}"
-    codec_stream = torch.cuda.Stream(device) if args.codec_sms is None else green_stream(args.codec_sms, device)
-    # the codec's graphs captured (cuDNN timed) on its stream: a graph's kernels keep the context they were
-    # captured in, so graphs captured on a plain stream replay on every SM even from a green context's stream
-    codec = build_codec(device, args.codec_eager, codec_stream)
+    codec_stream = torch.cuda.Stream(device)
+    codec = build_codec(device, args.codec_eager)
     codec_loop(codec, codec_stream, 2, chunks)
     talker_loop(graphs, talker_stream, 5)
     rows = []
@@ -149,11 +129,11 @@ def main() -> None:
     rows.append(dict(mode="talker alone", frames=args.frames, wall_ms=talker_ms,
                      frame_ms=talker_ms / args.frames))
     codec_ms = best(lambda: timed(lambda: codec_loop(codec, codec_stream, steps, chunks)))
-    rows.append(dict(mode=f"codec alone ({name})", steps=steps, wall_ms=codec_ms, step_ms=codec_ms / steps))
+    rows.append(dict(mode="codec alone", steps=steps, wall_ms=codec_ms, step_ms=codec_ms / steps))
     ms = best(lambda: timed(lambda: talker_loop(graphs, talker_stream, args.frames),
                             lambda: codec_loop(codec, codec_stream, steps, chunks)))
     serial = talker_ms + codec_ms  # the two one after the other
-    rows.append(dict(mode=f"both ({name} codec)", frames=args.frames, steps=steps, wall_ms=ms, serial_ms=serial,
+    rows.append(dict(mode="both", frames=args.frames, steps=steps, wall_ms=ms, serial_ms=serial,
                      saved=1 - ms / serial))
     for row in rows:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

@@ -49,13 +49,9 @@ for part in "${parts[@]}"; do
           --out "$out/prefill${flags:+-padded}-$commit.json" > "$log" 2>&1
         grep -o '"batch": [0-9]*, "tokens": [0-9]*, "plan_ms": [0-9.]*, "cuda_total_ms": [0-9.]*' "$log" || tail -4 "$log" 
       done ;;
-    overlap)  # talker frames and codec steps at once: plain streams vs the codec confined to N SMs
-      for sms in all ${OMNILOOP_CODEC_SMS:-66 100 116}; do  # one process each (cuDNN's algorithm cache)
-        flag=(); [ "$sms" = all ] || flag=(--codec-sms "$sms")
-        python3 tools/bench_overlap.py --frames 96 "${flag[@]}" \
-          --out "$out/overlap-$sms-$commit.json" > "$out/overlap-$sms-$commit.log" 2>&1
-        grep '^{"mode"' "$out/overlap-$sms-$commit.log" || tail -6 "$out/overlap-$sms-$commit.log"
-      done ;;
+    overlap)  # talker frames and codec steps alone and at once
+      python3 tools/bench_overlap.py --frames 96 --out "$out/overlap-$commit.json" > "$out/overlap-$commit.log" 2>&1
+      grep '^{"mode"' "$out/overlap-$commit.log" || tail -6 "$out/overlap-$commit.log" ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
     *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, overlap)"; exit 2 ;;

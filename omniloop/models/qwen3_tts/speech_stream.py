@@ -82,13 +82,10 @@ class _Pool:
 class CodecStreams:
     """Slot pool of per-request decoder state. Owned by one thread (the codec stage's runner).
 
-    ``graphs``: replay CUDA graphs of the step (default: on when the decoder is on CUDA). ``capture_stream``:
-    the stream every warm-up and capture runs on (a fresh one if not given). A captured kernel keeps the
-    context it was captured in, so the graphs of a codec confined to part of the SMs (``gpu/sm_partition.py``)
-    must be captured on the confined stream: captured elsewhere they replay on every SM."""
+    ``graphs``: replay CUDA graphs of the step (default: on when the decoder is on CUDA)."""
 
     def __init__(self, decoder: SpeechDecoder, max_streams: int = 256, initial_slots: int = 8,
-                 graphs: bool | None = None, capture_stream: torch.cuda.Stream | None = None) -> None:
+                 graphs: bool | None = None) -> None:
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self.decoder = decoder
@@ -100,7 +97,7 @@ class CodecStreams:
         self._free = list(range(self.capacity, SCRATCH, -1))
         self.device = self._pool.pos.device
         use_graphs = self.device.type == "cuda" if graphs is None else graphs
-        self._graphs = _StepGraphs(self, batch_buckets(max_streams), capture_stream) if use_graphs else None
+        self._graphs = _StepGraphs(self, batch_buckets(max_streams)) if use_graphs else None
 
     @property
     def capacity(self) -> int:
@@ -267,8 +264,7 @@ class _StepGraphs:
     one memory pool; replays are serialized on the owner thread's stream, and a replay's PCM is read
     (copied out) before the next replay, so sharing is safe."""
 
-    def __init__(self, streams: CodecStreams, batch: tuple[int, ...],
-                 capture_stream: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, streams: CodecStreams, batch: tuple[int, ...]) -> None:
         # a weak reference: the streams own these graphs, and a cycle between them would leave dropped streams'
         # graphs (and their memory pool) to the cyclic collector, which may run inside another capture
         self.streams, self.batch = weakref.proxy(streams), batch
@@ -276,7 +272,7 @@ class _StepGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         # one side stream for every warm-up and capture: the caching allocator keeps freed blocks per stream, so
         # a fresh stream per capture would strand each warm-up's activations in a cache no other stream reuses
-        self._stream = capture_stream if capture_stream is not None else torch.cuda.Stream(streams.device)
+        self._stream = torch.cuda.Stream(streams.device)
         self.limit = 0  # rows * frames captured up front by ``capture_all`` (0: none, capture on first use)
 
     def bucket(self, num_rows: int, frames: int) -> tuple[int, int]:

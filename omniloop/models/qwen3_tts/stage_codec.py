@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from omniloop.gpu.runner import CpuRunner
-from omniloop.gpu.sm_partition import PartitionedStream, check_sm_count
 from omniloop.log import get_logger
 from omniloop.models.qwen3_tts.family import resolve_checkpoint
 from omniloop.models.qwen3_tts.speech_stream import CodecStreams
@@ -32,19 +31,15 @@ log = get_logger(__name__)
 
 
 class CodecRunner(CpuRunner):
-    def __init__(self, streams: CodecStreams, name: str = "codec",
-                 partition: PartitionedStream | None = None) -> None:
+    def __init__(self, streams: CodecStreams, name: str = "codec") -> None:
         super().__init__(name)
         self.streams = streams
         # its own stream at normal priority (below the talker's): in a shared process the talker's kernels go
-        # first, and nothing waits on the legacy default stream. ``partition``: that stream's kernels run on
-        # part of the SMs only (gpu/sm_partition.py; ``streams`` must have captured its graphs on it), the rest
-        # stay free for the talker's; the runner owns it from here and releases it at close
+        # first, and nothing waits on the legacy default stream
         self._stream = None
-        self._partition = partition
         self._device = streams.device
         if self._device.type == "cuda":
-            self._stream = partition.stream if partition is not None else torch.cuda.Stream(self._device)
+            self._stream = torch.cuda.Stream(self._device)
             self._stream.wait_stream(torch.cuda.current_stream(self._device))  # the warm-up's writes first
         self._owner: dict[int, str] = {}  # scheduler slot -> req_id whose stream is open there
 
@@ -85,9 +80,6 @@ class CodecRunner(CpuRunner):
             for req_id in self._owner.values():
                 self.streams.close(req_id)
             self._owner.clear()
-            if self._partition is not None:
-                self._partition.close()
-                self._partition = self._stream = None
 
 
 class CodecMemoryBudget:
@@ -122,12 +114,9 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     opts = dict(stage.options)
     cudnn_benchmark = bool(opts.pop("cudnn_benchmark", False))
     warmup_frames = int(opts.pop("warmup_rows_x_frames", 256))
-    sm_count = opts.pop("sm_count", None)
     if opts:
         raise ValueError(f"stage {stage.name!r}: unknown options {sorted(opts)} for qwen3_tts.codec "
-                         "(known: cudnn_benchmark, warmup_rows_x_frames, sm_count)")
-    if sm_count is not None:
-        sm_count = check_sm_count(stage.name, torch.device(stage.device), sm_count)
+                         "(known: cudnn_benchmark, warmup_rows_x_frames)")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[stage.dtype]
     is_cuda = torch.device(stage.device).type == "cuda"
     budget = None
@@ -140,29 +129,21 @@ def build_codec(stage: Any, profile: Any) -> Worker:
         torch.backends.cudnn.benchmark = True
     tokenizer = SpeechTokenizer.load(ckpt.path, device=stage.device, dtype=dtype, load_format=ckpt.load_format,
                                      with_encoder=False, seed=profile.seed)
-    # the SM partition first: the graphs must be captured on its stream to run confined
-    partition = PartitionedStream(sm_count, torch.device(stage.device)) if sm_count is not None else None
-    try:
-        # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
-        streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
-                               initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs),
-                               capture_stream=partition.stream if partition is not None else None)
-        chunking = profile.chunking
-        frames = max(chunking.frames, chunking.initial_frames)
-        if budget is not None:
-            budget.check(0)  # weights and decoder state alone
-        if is_cuda and warmup_frames > 0:
-            num = streams.warmup(warmup_frames, max_frames=frames, check=budget.check if budget else None)
-            log.info("codec_graphs_captured", stage=stage.name, num_graphs=num, sm_count=sm_count,
-                     reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
-    except BaseException:
-        if partition is not None:
-            partition.close()
-        raise
+    # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
+    streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
+                           initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs))
+    chunking = profile.chunking
+    frames = max(chunking.frames, chunking.initial_frames)
+    if budget is not None:
+        budget.check(0)  # weights and decoder state alone
+    if is_cuda and warmup_frames > 0:
+        num = streams.warmup(warmup_frames, max_frames=frames, check=budget.check if budget else None)
+        log.info("codec_graphs_captured", stage=stage.name, num_graphs=num,
+                 reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
     scheduler = CodecScheduler(CodecConfig(
         stage=stage.name, max_num_seqs=stage.max_num_seqs,
         max_frames_per_step=max(stage.max_num_tokens, frames),
         initial_frames=chunking.initial_frames, frames=frames, urgent_s=chunking.urgent_s,
         join_fraction=chunking.join_fraction,
     ))
-    return Worker(scheduler, CodecRunner(streams, name=stage.name, partition=partition))
+    return Worker(scheduler, CodecRunner(streams, name=stage.name))
