@@ -20,7 +20,8 @@ from omniloop.gpu.kernels.silu_mul import silu_mul  # noqa: E402
 from omniloop.gpu.kernels.sampler import sample_rows  # noqa: E402
 from omniloop.models.qwen3_tts import layers, sampling  # noqa: E402
 from omniloop.models.qwen3_tts.config import DecoderConfig  # noqa: E402
-from omniloop.models.qwen3_tts.layers import DecoderStack, RMSNorm, _rotate_half  # noqa: E402
+from omniloop.models.qwen3_tts.layers import DecoderStack, RMSNorm  # noqa: E402
+from omniloop.models.qwen3_tts.rope import rotate_half  # noqa: E402
 from omniloop.models.qwen3_tts.speech_layers import SnakeBeta, new_frames, snake_layout  # noqa: E402
 from tests.kv_write_reference import separate_writes  # noqa: E402
 from tests.sampler_edge_rows import edge_rows  # noqa: E402
@@ -104,7 +105,7 @@ def check_norm_rope() -> None:
         norm.weight.data = w
         normed = norm(x)
         c, s = cos.view(b, n, 1, d), sin.view(b, n, 1, d)
-        want = normed * c + _rotate_half(normed) * s
+        want = normed * c + rotate_half(normed) * s
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         single = norm_rope(x.contiguous(), w, 1e-6, cos, folded)
         assert torch.equal(single, got)

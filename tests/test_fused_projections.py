@@ -11,7 +11,7 @@ import torch
 from omniloop.models.qwen3_tts import layers
 from omniloop.models.qwen3_tts.checkpoint import build_model
 from omniloop.models.qwen3_tts.config import load_tts_config
-from omniloop.models.qwen3_tts.layers import _check_fused
+from omniloop.models.qwen3_tts.fused_weights import check_fused
 from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
 
 
@@ -33,10 +33,10 @@ def test_fused_weights_are_views_and_stale_ones_are_caught() -> None:
     assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
     model.double()  # replaces every parameter: the fused tensors are now stale
     with pytest.raises(RuntimeError, match="stale"):
-        _check_fused(attn.qkv_weight, attn.q_proj.weight)
+        check_fused(attn.qkv_weight, attn.q_proj.weight)
     model.fuse_projections()  # re-fuses from the current parameters
-    _check_fused(attn.qkv_weight, attn.q_proj.weight)
-    _check_fused(mlp.gate_up_weight, mlp.gate_proj.weight)
+    check_fused(attn.qkv_weight, attn.q_proj.weight)
+    check_fused(mlp.gate_up_weight, mlp.gate_proj.weight)
     assert attn.qkv_weight.dtype == torch.float64
 
 

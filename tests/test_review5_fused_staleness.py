@@ -1,6 +1,6 @@
 """Review: fused projection staleness is caught for every part, in both decoder stacks.
 
-``_check_fused`` compared only the first projection (q / gate) with the fused tensor, so a replaced k, v or up
+``check_fused`` compared only the first projection (q / gate) with the fused tensor, so a replaced k, v or up
 weight left the fused matmul on stale values without a word; and ``fuse_projections`` looked only at the
 talker's first MLP to decide whether to re-fuse, so parameters replaced in the code predictor (or in a later
 talker layer) stayed stale while the error told the caller to call ``fuse_projections()`` again, which then

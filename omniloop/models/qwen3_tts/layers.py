@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniloop.models.qwen3_tts.config import DecoderConfig
+from omniloop.models.qwen3_tts import fused_weights
+from omniloop.models.qwen3_tts.rope import Rope, rotate_half
 
 
 # CUDA: per-head q/k RMSNorm + rope in one Triton kernel (``gpu/kernels/qk_norm_rope.py``); a switch so
@@ -64,63 +66,6 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-class Rope(nn.Module):
-    """Rotary embedding; with ``mrope_section`` the frequencies are split among three position axes
-    (temporal, height, width), either in contiguous blocks or interleaved (freq i -> axis i % 3 while
-    that axis has frequencies left). TTS feeds three equal axes, which reduces to ordinary RoPE."""
-
-    def __init__(self, cfg: DecoderConfig, device: torch.device | str | None = None) -> None:
-        super().__init__()
-        half = cfg.head_dim // 2
-        exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** exponent)
-        axis = torch.zeros(half, dtype=torch.int64)
-        if cfg.mrope_section is not None:
-            section = cfg.mrope_section
-            if cfg.mrope_interleaved:
-                for a in range(1, len(section)):
-                    axis[a: section[a] * len(section): len(section)] = a
-            else:
-                axis = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self.register_buffer("axis_of_freq", axis.to(device), persistent=False)
-        self.num_axes = 1 if cfg.mrope_section is None else len(cfg.mrope_section)
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: ``[B, L]`` (same on every axis) or ``[axes, B, L]``; returns cos, sin ``[B, L, head_dim]``."""
-        if positions.dim() == 2:
-            freqs = positions[..., None].float() * self.inv_freq
-        else:
-            pos = positions.float()[self.axis_of_freq]  # [half, B, L]: each frequency's own axis
-            freqs = pos.permute(1, 2, 0) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cos, sin and sign-folded sin (``-sin`` on the first half) ``[length, head_dim]`` of positions
-        ``0..length-1``: the same values ``forward`` computes, looked up instead of recomputed per step.
-        Built on first use; graph capture warms up first, so the table exists before any capture."""
-        key = (length, dtype, self.inv_freq.device, self.inv_freq._version)
-        if key not in self._tables:
-            pos = torch.arange(length, device=self.inv_freq.device)[None]
-            cos, sin = (t[0] for t in self.forward(pos, dtype))
-            half = sin.shape[-1] // 2
-            self._tables = {key: (cos, sin, torch.cat((-sin[:, :half], sin[:, half:]), -1))}
-        return self._tables[key]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[B, heads, L, D]``; cos/sin ``[B, L, D]``."""
-    cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
-
-
 @dataclass
 class StackStep:
     """What every layer of one stack call shares, built once per call (not once per layer)."""
@@ -157,7 +102,7 @@ class StackStep:
         if self.fast:
             half = x.shape[-1] // 2
             return torch.addcmul(x * self.cos, torch.cat((x[..., half:], x[..., :half]), -1), self.sin)
-        return x * self.cos + _rotate_half(x) * self.sin
+        return x * self.cos + rotate_half(x) * self.sin
 
 
 class Attention(nn.Module):
@@ -180,9 +125,9 @@ class Attention(nn.Module):
         """One ``[q; k; v]`` weight, with the three projections' weights turned into views of it (no copy
         kept): one matmul instead of three on the fast path, same values."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _fuse([p.weight for p in projs])
+        self.qkv_weight = fused_weights.fuse([p.weight for p in projs])
         if self.q_proj.bias is not None:
-            self.qkv_bias = _fuse([p.bias for p in projs])
+            self.qkv_bias = fused_weights.fuse([p.bias for p in projs])
 
     def _is_fused_path(self, s: StackStep) -> bool:
         """Fused QKV weights and the Triton q/k norm+rope kernel (CUDA: ``s.rows`` is set)."""
@@ -190,7 +135,7 @@ class Attention(nn.Module):
 
     def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, L, (heads + 2 * kv_heads) * D]`` rows of the one fused matmul, on weights checked current."""
-        _check_fused(self.qkv_weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        fused_weights.check_fused(self.qkv_weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         return F.linear(x, self.qkv_weight, self.qkv_bias)
 
     def _qkv(self, x: torch.Tensor, s: StackStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -337,46 +282,16 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """One ``[gate; up]`` weight (the two become views of it): one matmul and one SiLU-multiply kernel."""
-        self.gate_up_weight = _fuse([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_up_weight = fused_weights.fuse([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None and x.is_cuda:
             from omniloop.gpu.kernels.silu_mul import silu_mul
 
-            _check_fused(self.gate_up_weight, self.gate_proj.weight, self.up_proj.weight)
+            fused_weights.check_fused(self.gate_up_weight, self.gate_proj.weight, self.up_proj.weight)
 
             return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _is_fused(fused: torch.Tensor | None, *parts: torch.Tensor) -> bool:
-    """Every part is still the view of ``fused`` that ``_fuse`` made (same dtype, its rows, in order)."""
-    if fused is None:
-        return False
-    offset = fused.data_ptr()
-    for p in parts:
-        if p.dtype != fused.dtype or p.data_ptr() != offset:
-            return False
-        offset += p.numel() * p.element_size()
-    return True
-
-
-def _check_fused(fused: torch.Tensor, *parts: torch.Tensor) -> None:
-    """The separate parameters must still be views of the fused tensor: a ``.to()`` or a load that replaced
-    any of them after ``fuse`` would leave the fused matmul on stale weights, silently."""
-    if not _is_fused(fused, *parts):
-        raise RuntimeError("fused projection weights are stale (parameters were replaced after fuse()); "
-                           "call Qwen3TtsModel.fuse_projections() again")
-
-
-def _fuse(params: list[nn.Parameter]) -> torch.Tensor:
-    """Concatenate parameters along dim 0 and make each a view of the result, so only one copy exists."""
-    fused = torch.cat([p.data for p in params])
-    start = 0
-    for p in params:
-        p.data = fused[start:start + p.shape[0]]
-        start += p.shape[0]
-    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -425,9 +340,10 @@ class DecoderStack(nn.Module):
 
     def is_fused(self) -> bool:
         """Every layer's fused weights are current (no parameter replaced since ``fuse``)."""
-        return all(_is_fused(a.qkv_weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
-                   and (a.qkv_bias is None or _is_fused(a.qkv_bias, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
-                   and _is_fused(m.gate_up_weight, m.gate_proj.weight, m.up_proj.weight)
+        fused = fused_weights.is_fused
+        return all(fused(a.qkv_weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+                   and (a.qkv_bias is None or fused(a.qkv_bias, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias))
+                   and fused(m.gate_up_weight, m.gate_proj.weight, m.up_proj.weight)
                    for a, m in ((layer.self_attn, layer.mlp) for layer in self.layers))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | int, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -30,7 +30,8 @@ from torch import nn
 
 from omniloop.models.qwen3_tts.code_predictor import CodePredictor
 from omniloop.models.qwen3_tts.config import TtsConfig
-from omniloop.models.qwen3_tts.layers import DecoderStack, _fuse, _is_fused
+from omniloop.models.qwen3_tts.fused_weights import fuse, is_fused
+from omniloop.models.qwen3_tts.layers import DecoderStack
 from omniloop.models.qwen3_tts.sampling import SamplingParams, frame_noise, sample_code0
 
 
@@ -119,8 +120,8 @@ class Qwen3TtsModel(nn.Module):
                 stack.fuse()  # first time, or some of its parameters were replaced (moved, reloaded) since
         tables = self._frame_tables()
         same = len({(t.dtype, t.device) for t in tables}) == 1  # else one table would cast some of them
-        if same and not _is_fused(self._frame_table, *tables):
-            self._frame_table = _fuse(list(tables))
+        if same and not is_fused(self._frame_table, *tables):
+            self._frame_table = fuse(list(tables))
             sizes = [t.shape[0] for t in tables]
             self._frame_offsets = torch.tensor([sum(sizes[:g]) for g in range(len(sizes))], device=self.device)
         if not self.code_predictor.inputs_fused():
@@ -210,7 +211,7 @@ class Qwen3TtsModel(nn.Module):
     def frame_embed(self, codes: torch.Tensor) -> torch.Tensor:
         """codes ``[..., 16]`` -> sum of the 16 code embeddings ``[..., H]`` (talker dim). With the tables fused
         (``fuse_projections``), one gather from the one table: the same rows, summed the same way."""
-        if _is_fused(self._frame_table, *self._frame_tables()):
+        if is_fused(self._frame_table, *self._frame_tables()):
             return self._frame_table[codes.to(self.device) + self._frame_offsets].sum(-2)
         parts = torch.cat((self.codec_embed(codes[..., :1]), self.code_predictor.embed_codes(codes[..., 1:])), -2)
         return parts.sum(-2)
