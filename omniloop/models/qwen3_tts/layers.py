@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omniloop.models.qwen3_tts.config import DecoderConfig
 from omniloop.models.qwen3_tts import fused_weights
+from omniloop.models.qwen3_tts.config import DecoderConfig
 from omniloop.models.qwen3_tts.rope import Rope, rotate_half
 
 
@@ -89,6 +89,17 @@ class StackStep:
     # position) and token t attends the call's keys ``seq_start[t]..t`` (``gpu/kernels/packed_attention.py``)
     seq_start: torch.Tensor | None = None
 
+    @property
+    def write_positions(self) -> torch.Tensor | int:
+        """Where the call's keys go in the cache: the shared start, or the per-row write positions
+        ``index[2]`` (already clamped to the scratch position)."""
+        return self.start if self.start is not None else self.index[2]
+
+    @property
+    def row_lengths(self) -> torch.Tensor | None:
+        """The fused decode kernel's per-row lengths ``[B]``, or None where every row reads ``kv_len``."""
+        return None if isinstance(self.decode_lengths, int) else self.decode_lengths
+
     def norm_rope(self, x: torch.Tensor, norm: "RMSNorm") -> torch.Tensor:
         """RMSNorm over the last dim, then rope; x ``[B, L, heads, D]``."""
         if self.rows is not None and FUSED_NORM_ROPE:
@@ -138,6 +149,12 @@ class Attention(nn.Module):
         fused_weights.check_fused(self.qkv_weight, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         return F.linear(x, self.qkv_weight, self.qkv_bias)
 
+    def _values(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The values ``[B, L, kv_heads, D]`` of the fused projection's rows (a view)."""
+        b, n, _ = qkv.shape
+        return qkv[..., (self.num_heads + self.num_kv_heads) * self.head_dim:].view(b, n, self.num_kv_heads,
+                                                                                    self.head_dim)
+
     def _qkv(self, x: torch.Tensor, s: StackStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q ``[B, L, heads, D]`` and k, v ``[B, L, kv_heads, D]``; q and k normalized and rotated."""
         b, n, _ = x.shape
@@ -147,8 +164,7 @@ class Attention(nn.Module):
             qkv = self._fused_qkv(x)
             q, k = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
                                 self.q_norm.eps, *s.rows)
-            v = qkv[..., (self.num_heads + self.num_kv_heads) * self.head_dim:]
-            return q, k, v.view(b, n, self.num_kv_heads, self.head_dim)
+            return q, k, self._values(qkv)
         q = s.norm_rope(self.q_proj(x).view(b, n, self.num_heads, self.head_dim), self.q_norm)
         k = s.norm_rope(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim), self.k_norm)
         return q, k, self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
@@ -162,14 +178,12 @@ class Attention(nn.Module):
         With ``s.prefix`` also the keys and values ``[B, L, kv_heads, D]`` (else None)."""
         from omniloop.gpu.kernels.qk_norm_rope import qk_norm_rope_cache
 
-        positions = s.start if s.start is not None else s.index[2]
         out = qk_norm_rope_cache(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
-                                 self.q_norm.eps, *s.rows, k_cache, v_cache, positions, s.slots, keep_keys=s.prefix)
+                                 self.q_norm.eps, *s.rows, k_cache, v_cache, s.write_positions, s.slots,
+                                 keep_keys=s.prefix)
         if not s.prefix:
             return out, None, None
-        b, n, _ = qkv.shape
-        v = qkv[..., (self.num_heads + self.num_kv_heads) * self.head_dim:].view(b, n, self.num_kv_heads, self.head_dim)
-        return out[:, :, :self.num_heads], out[:, :, self.num_heads:], v
+        return out[:, :, :self.num_heads], out[:, :, self.num_heads:], self._values(qkv)
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
@@ -196,11 +210,9 @@ class Attention(nn.Module):
         if self._fresh_attention(s):
             from omniloop.gpu.kernels.decode_attention import decode_attention_fresh
 
-            positions = s.start if s.start is not None else s.index[2]
-            lengths = None if isinstance(s.decode_lengths, int) else s.decode_lengths
             out = decode_attention_fresh(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight,
-                                         self.k_norm.weight, self.q_norm.eps, *s.rows, k_cache, v_cache, positions,
-                                         s.kv_len, lengths, s.slots)
+                                         self.k_norm.weight, self.q_norm.eps, *s.rows, k_cache, v_cache,
+                                         s.write_positions, s.kv_len, s.row_lengths, s.slots)
             return out.view(b, n, -1)
         if self._is_fused_path(s) and FUSED_KV_WRITE:
             q, k, v = self._q_writing_kv(qkv, k_cache, v_cache, s)
@@ -208,7 +220,7 @@ class Attention(nn.Module):
             hd, h, kv = self.head_dim, self.num_heads, self.num_kv_heads
             q = s.norm_rope(qkv[..., :h * hd].view(b, n, h, hd), self.q_norm)
             k = s.norm_rope(qkv[..., h * hd:(h + kv) * hd].view(b, n, kv, hd), self.k_norm)
-            v = qkv[..., (h + kv) * hd:].view(b, n, kv, hd)
+            v = self._values(qkv)
             self._write_kv(k, v, k_cache, v_cache, s)
         return self._attend(q, k, v, k_cache, v_cache, s)
 
@@ -244,8 +256,7 @@ class Attention(nn.Module):
         if s.decode_lengths is not None:
             from omniloop.gpu.kernels.decode_attention import decode_attention
 
-            lengths = None if isinstance(s.decode_lengths, int) else s.decode_lengths
-            out = decode_attention(q, k_cache, v_cache, s.kv_len, lengths, s.slots)
+            out = decode_attention(q, k_cache, v_cache, s.kv_len, s.row_lengths, s.slots)
             return out.view(b, n, -1)
         if s.slots is None:
             keys, values = k_cache[:b, :, :s.kv_len], v_cache[:b, :, :s.kv_len]
