@@ -31,12 +31,10 @@ from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.gpu.cuda_graphs import FrameGraphs
 from omniloop.gpu.talker_runner import HIGH_PRIORITY
 from omniloop.gpu.talker_state import TalkerState
-from omniloop.models.qwen3_tts.config import load_tts_config
 from omniloop.models.qwen3_tts.speech_stream import CodecStreams
 from omniloop.models.qwen3_tts.speech_tokenizer import SpeechTokenizer
-from omniloop.models.qwen3_tts.talker import Qwen3TtsModel
 from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
-from tools.bench_talker import SAMPLED
+from tools.bench_talker import random_model, sampled_state
 
 ROWS, CONTEXT, CHUNK = 64, 256, 8
 
@@ -44,18 +42,7 @@ ROWS, CONTEXT, CHUNK = 64, 256, 8
 def build_talker(device: torch.device) -> tuple[FrameGraphs, TalkerState, torch.cuda.Stream]:
     """The graphs do not hold the state they were captured on: the caller keeps ``state`` (and so the model)
     alive, or the replays read freed memory."""
-    cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))
-    model = Qwen3TtsModel(cfg, device=device, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-    model.fuse_projections()
-    state = TalkerState.allocate(model, ROWS, CONTEXT + 8, max_trailing=64)
-    hidden = cfg.talker.decoder.hidden_size
-    for slot in range(ROWS):
-        state.reset(slot, torch.zeros(1, 1), torch.zeros(4, hidden, device=device), SAMPLED, slot)
-    state.next_input.normal_()
+    state = sampled_state(random_model(device), ROWS, CONTEXT)
     stream = torch.cuda.Stream(device, priority=HIGH_PRIORITY)
     with torch.cuda.stream(stream), torch.no_grad():
         graphs = FrameGraphs(state, stream, (ROWS,), (CONTEXT,))  # captures with every row idle

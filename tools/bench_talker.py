@@ -22,6 +22,7 @@ from omniloop.gpu.backends import configure_cuda_stage
 from omniloop.gpu.cuda_graphs import FrameGraphs, batch_buckets
 from omniloop.gpu.kv_budget import module_bytes
 from omniloop.gpu.talker_runner import TalkerRunner
+from omniloop.gpu.talker_state import TalkerState
 from omniloop.models.qwen3_tts import layers
 from omniloop.models.qwen3_tts.config import load_tts_config
 from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
@@ -88,17 +89,34 @@ def graph_of(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def random_model(device: torch.device | str = "cuda") -> Qwen3TtsModel:
+    """The released 1.7B talker-stage shapes with random weights in bf16 (timing only)."""
+    cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))
+    model = Qwen3TtsModel(cfg, device=device, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    return model
+
+
+def sampled_state(model: Qwen3TtsModel, rows: int, context: int) -> TalkerState:
+    """A decode state of ``rows`` sampled requests (slot i seeded i) with room for ``context`` keys, trailing
+    text on the state's device as the runner's prompts are, and a random next input; the model's projections
+    fused first, as the CUDA runner does."""
+    model.fuse_projections()
+    state = TalkerState.allocate(model, rows, context + 8, max_trailing=64)
+    hidden = model.cfg.talker.decoder.hidden_size
+    for slot in range(rows):
+        state.reset(slot, torch.zeros(1, 1), torch.zeros(4, hidden, device=model.device), SAMPLED, slot)
+    state.next_input.normal_()
+    return state
+
+
 @torch.no_grad()
 def bench_pieces(model: Qwen3TtsModel, batch: list[int], context: int, iters: int,
                  kernels: bool = False) -> list[dict]:
-    from omniloop.gpu.talker_state import TalkerState
-
-    model.fuse_projections()  # as the CUDA runner does
-    state = TalkerState.allocate(model, max(batch), context + 8, max_trailing=64)
-    for slot in range(max(batch)):
-        state.reset(slot, torch.zeros(1, 1), torch.zeros(4, model.cfg.talker.decoder.hidden_size, device="cuda"),
-                    SAMPLED, slot)  # trailing text on the state's device, as the runner's prompts are
-    state.next_input.normal_()
+    state = sampled_state(model, max(batch), context)
     dec, cp = model.talker.model, model.code_predictor
     talker_bytes = module_bytes(dec) + module_bytes(model.talker.codec_head)
     cp_bytes = module_bytes(cp.model) + sum(module_bytes(h) for h in cp.lm_head) + module_bytes(cp.small_to_mtp_projection)
@@ -342,12 +360,7 @@ def main() -> None:
         prefill_graphs.PACKED = False
     torch.manual_seed(0)
     configure_cuda_stage()  # as every GPU stage of the engine runs (cuDNN attention off)
-    cfg = load_tts_config(ensure_tiny_checkpoint("base", size="1.7b"))  # the released 1.7B shapes
-    model = Qwen3TtsModel(cfg, device="cuda", dtype=torch.bfloat16).eval()  # random init: timing only
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
+    model = random_model()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"fused norm+rope {layers.FUSED_NORM_ROPE}, fused decode attention {layers.FUSED_DECODE_ATTENTION}, "
           f"fused qkv attention {layers.FUSED_QKV_ATTENTION}, "
