@@ -70,10 +70,10 @@ def profile_step(streams: CodecStreams, num: int, frames: int) -> None:
     gpu_us = sum(e.self_device_time_total for e in events) / 5
     print(f"profile B={num} L={frames}: GPU kernel time {gpu_us / 1e3:.2f} ms/step, "
           f"{sum(e.count for e in events if e.self_device_time_total > 0) / 5:.0f} kernel launches/step")
-    print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=70))
+    print(events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=110))
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
     ops.sort(key=lambda e: -e.device_time_total)
-    for e in ops[:25]:  # which torch ops (and shapes) the kernel time belongs to
+    for e in ops[:40]:  # which torch ops (and shapes) the kernel time belongs to
         print(f"  {e.device_time_total / 5e3:7.3f} ms/step  x{e.count // 5:<3d} {e.key} {str(e.input_shapes)[:110]}")
 
 
