@@ -87,7 +87,7 @@ def launch_all() -> None:
     from omniloop.gpu.kernels.counter_hash import counter_uniform_cuda
     from omniloop.gpu.kernels.decode_attention import decode_attention, decode_attention_fresh
     from omniloop.gpu.kernels.packed_attention import packed_attention
-    from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache
+    from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache, rope
     from omniloop.gpu.kernels.sampler import sample_rows
     from omniloop.gpu.kernels.silu_mul import silu_mul
     from omniloop.models.qwen3_tts.speech_layers import SnakeBeta
@@ -99,6 +99,11 @@ def launch_all() -> None:
         g = torch.empty(hidden, dtype=bf)
         add_rms_norm(x, torch.empty_like(x), g, 1e-6)
         silu_mul(torch.empty(rows, 2 * inter, dtype=bf))
+    codec_tokens = 64 * 8  # the codec decoder's transformer: layer-scaled adds + norms, q/k RoPE (no norm)
+    x = torch.empty(codec_tokens, 1024, dtype=bf)
+    add_rms_norm(x, torch.empty_like(x), torch.empty(1024, dtype=bf), 1e-5, scale=torch.empty(1024, dtype=bf))
+    rope(torch.empty(64, 8, 16, 64, dtype=bf), torch.empty(codec_tokens, 64, dtype=bf),
+         torch.empty(codec_tokens, 64, dtype=bf))
     heads, kv_heads, d, slots, max_len = 16, 8, 128, 64, 1024
     qkv = torch.empty(rows, 1, (heads + 2 * kv_heads) * d, dtype=bf)
     w = torch.empty(d, dtype=bf)

@@ -15,14 +15,16 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 from omniloop.gpu.kernels.add_rms_norm import add_rms_norm  # noqa: E402
 from omniloop.gpu.kernels.decode_attention import decode_attention  # noqa: E402
 from omniloop.gpu.kernels.packed_attention import packed_attention, packed_attention_reference  # noqa: E402
-from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache  # noqa: E402
+from omniloop.gpu.kernels.qk_norm_rope import norm_rope, qk_norm_rope, qk_norm_rope_cache, rope  # noqa: E402
 from omniloop.gpu.kernels.silu_mul import silu_mul  # noqa: E402
 from omniloop.gpu.kernels.sampler import sample_rows  # noqa: E402
 from omniloop.models.qwen3_tts import layers, sampling  # noqa: E402
 from omniloop.models.qwen3_tts.config import DecoderConfig  # noqa: E402
 from omniloop.models.qwen3_tts.layers import DecoderStack, RMSNorm  # noqa: E402
 from omniloop.models.qwen3_tts.rope import rotate_half  # noqa: E402
-from omniloop.models.qwen3_tts.speech_layers import SnakeBeta, new_frames, snake_layout  # noqa: E402
+from omniloop.models.qwen3_tts.speech_config import DecoderConfig as CodecDecoderConfig  # noqa: E402
+from omniloop.models.qwen3_tts.speech_decoder import _Transformer  # noqa: E402
+from omniloop.models.qwen3_tts.speech_layers import SnakeBeta, apply_rope, new_frames, snake_layout  # noqa: E402
 from tests.kv_write_reference import separate_writes  # noqa: E402
 from tests.sampler_edge_rows import edge_rows  # noqa: E402
 
@@ -109,6 +111,18 @@ def check_norm_rope() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         single = norm_rope(x.contiguous(), w, 1e-6, cos, folded)
         assert torch.equal(single, got)
+
+
+def check_rope() -> None:
+    """``rope`` (no norm) is the codec's ``apply_rope`` in float32 math; rows of cos/sin per token."""
+    torch.manual_seed(11)
+    for b, n, heads, d in ((2, 3, 4, 16), (3, 200, 2, 8)):  # 600 tokens: the block-of-16 grid
+        x = torch.randn(b, n, heads, d)
+        cos, sin = torch.rand(b, n, d), torch.rand(b, n, d)
+        folded = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), -1).reshape(b * n, d)
+        got = rope(x, cos.reshape(b * n, d), folded)
+        want = apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def check_norm_rope_blocks() -> None:
@@ -505,6 +519,43 @@ def check_add_rms_norm() -> None:
                                        rtol=2e-2, atol=2e-2)
 
 
+def check_add_rms_norm_scaled() -> None:
+    """With a per-channel ``scale`` the sum is ``x * scale + residual`` in float32, rounded once."""
+    torch.manual_seed(12)
+    x, residual = torch.randn(4, 96), torch.randn(4, 96) * 4
+    weight, scale = torch.rand(96) + 0.5, torch.randn(96) * 0.1
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-6, scale=scale)
+    torch.testing.assert_close(new_residual, x * scale + residual, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(normed, F.rms_norm(x * scale + residual, (96,), weight, 1e-6), rtol=1e-5, atol=1e-5)
+    plain, _ = add_rms_norm(x, residual, weight, 1e-6)
+    assert not torch.allclose(plain, normed)  # the scale is applied, not ignored
+
+
+def check_codec_transformer() -> None:
+    """The codec decoder's sliding-window transformer through the Triton kernels (``_forward_fused``) computes
+    its torch forward: outputs and the new KV caches, float32 to rounding, bf16 to a few units in the last
+    place. Norm weights and layer scales are random, so one applied in the wrong place cannot pass."""
+    cfg = CodecDecoderConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+                             num_hidden_layers=3, sliding_window=6, latent_dim=24, codebook_dim=8)
+    torch.manual_seed(13)
+    tr = _Transformer(cfg)
+    for name, p in tr.named_parameters():
+        if "norm" in name or "layer_scale" in name:
+            p.data = torch.rand(p.shape) + 0.5 if "norm" in name else torch.randn(p.shape) * 0.3
+    b, n, w = 3, 4, tr.cache_len
+    x = torch.randn(b, n, cfg.latent_dim)
+    pos, lens = torch.tensor([0, 3, 9]), torch.tensor([4, 2, 4])
+    caches = [torch.randn(b, cfg.num_key_value_heads, w, cfg.attn_head_dim) for _ in range(2 * cfg.num_hidden_layers)]
+    for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        tr.to(dtype)
+        with torch.no_grad():
+            want, want_caches = tr(x.to(dtype), pos, lens, [c.to(dtype) for c in caches], fused=False)
+            got, got_caches = tr(x.to(dtype), pos, lens, [c.to(dtype) for c in caches], fused=True)
+        for g, wnt in zip([got, *got_caches], [want, *want_caches]):
+            err = (g.float() - wnt.float()).norm() / wnt.float().norm()
+            assert g.shape == wnt.shape and err < rel, (dtype, float(err))
+
+
 def check_fused_stack() -> None:
     """The decoder stack carrying (normalized hidden, residual) with every add fused into the next norm
     computes the stack's unfused forward: float32 to rounding, bf16 to a few units in the last place.
@@ -597,6 +648,7 @@ if __name__ == "__main__":
     check_sampler()
     check_sampler_edges()
     check_norm_rope()
+    check_rope()
     check_norm_rope_blocks()
     check_prefix_attention()
     check_silu_mul()
@@ -606,6 +658,8 @@ if __name__ == "__main__":
     check_fresh_attention()
     check_packed_attention()
     check_add_rms_norm()
+    check_add_rms_norm_scaled()
+    check_codec_transformer()
     check_fused_stack()
     check_fresh_attention_stack()
     check_snake()

@@ -135,3 +135,35 @@ def test_warmed_up_streams_split_large_steps_instead_of_capturing() -> None:
     for r in codes:
         assert got[r].shape == want[r].shape == (8 * SPF,)
         assert _rel(got[r], want[r]) < 1e-4
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fused_transformer_equals_torch_path(dtype: torch.dtype, tol: float) -> None:
+    """The decoder's transformer through the Triton kernels (layer-scaled add + norm, RoPE: what CUDA half
+    precision runs) against its torch ops, on the GPU: the output and every new KV cache. Norm weights and layer
+    scales are random, so one applied in the wrong place cannot pass."""
+    tr = _decoder(dtype).pre_transformer
+    saved = {name: p.detach().clone() for name, p in tr.named_parameters()}
+    try:
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in tr.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.rand_like(p, dtype=torch.float32) + 0.5)
+                elif "layer_scale" in name:
+                    p.copy_(torch.randn_like(p, dtype=torch.float32) * 0.3)
+            b, n, w = 3, 8, tr.cache_len
+            cfg = _decoder(dtype).cfg
+            x = torch.randn(b, n, cfg.latent_dim, device="cuda", dtype=dtype)
+            pos, lens = torch.tensor([0, 5, 90], device="cuda"), torch.tensor([8, 3, 8], device="cuda")
+            caches = [torch.randn(b, cfg.num_key_value_heads, w, cfg.attn_head_dim, device="cuda", dtype=dtype)
+                      for _ in range(2 * cfg.num_hidden_layers)]
+            want = tr(x, pos, lens, caches, fused=False)
+            got = tr(x, pos, lens, caches, fused=True)
+        for g, wnt in zip([got[0], *got[1]], [want[0], *want[1]]):
+            assert g.shape == wnt.shape
+            assert ((g.float() - wnt.float()).norm() / wnt.float().norm()).item() < tol
+    finally:
+        with torch.no_grad():
+            for name, p in tr.named_parameters():
+                p.copy_(saved[name])

@@ -27,4 +27,4 @@ def test_every_kernel_compiles_for_sm90_without_spills() -> None:
     compiled = {line.split("'kernel': '")[1].split("'")[0] for line in proc.stdout.splitlines() if "'kernel'" in line}
     assert {"_norm_rope_kernel", "_decode_attention_kernel", "_sample_kernel",
             "_add_rms_norm_kernel", "_silu_mul_kernel", "_uniform_kernel", "_snake_kernel",
-            "_packed_attention_kernel"} <= compiled
+            "_packed_attention_kernel", "_rope_kernel"} <= compiled

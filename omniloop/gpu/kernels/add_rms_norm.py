@@ -21,12 +21,14 @@ MAX_HIDDEN = 8192  # one row per program, held in registers: BLOCK = next power 
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, sum_ptr, x_stride, res_stride, hidden, eps,
-                         BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, normed_ptr, sum_ptr, x_stride, res_stride, hidden, eps,
+                         BLOCK: tl.constexpr, SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALE:
+        x *= tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
     s = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * hidden + offs, s, mask=mask)
@@ -36,17 +38,19 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, normed_ptr, sum_ptr, x_stride, r
     tl.store(normed_ptr + row * hidden + offs, (s * rstd * w).to(normed_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual ``[..., H]`` (same shape and dtype), weight ``[H]`` -> ``(normed, new_residual)``, both
     ``[..., H]`` contiguous: ``new_residual = x + residual``, ``normed = F.rms_norm(new_residual, (H,),
-    weight, eps)``."""
+    weight, eps)``. ``scale`` ``[H]``: x is multiplied by it first, in float32 (a layer scale; the sum is
+    then rounded once, where torch rounds the product too)."""
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
                          "must have the same shape and dtype")
     hidden = x.shape[-1]
-    if hidden > MAX_HIDDEN or weight.shape != (hidden,):
-        raise ValueError(f"hidden size {hidden} (at most {MAX_HIDDEN}) and weight {tuple(weight.shape)} mismatch")
+    if hidden > MAX_HIDDEN or weight.shape != (hidden,) or (scale is not None and scale.shape != (hidden,)):
+        raise ValueError(f"hidden size {hidden} (at most {MAX_HIDDEN}), weight {tuple(weight.shape)} and scale "
+                         f"{None if scale is None else tuple(scale.shape)} mismatch")
     x2, r2 = (t.reshape(-1, hidden) for t in (x, residual))
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -55,6 +59,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if rows == 0:
         return normed, new_residual
     block = triton.next_power_of_2(hidden)
-    _add_rms_norm_kernel[(rows,)](x2, r2, weight.contiguous(), normed, new_residual, x2.stride(0), r2.stride(0),
-                                  hidden, eps, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    weight = weight.contiguous()
+    _add_rms_norm_kernel[(rows,)](x2, r2, weight, weight if scale is None else scale.contiguous(), normed,
+                                  new_residual, x2.stride(0), r2.stride(0), hidden, eps, BLOCK=block,
+                                  SCALE=scale is not None, num_warps=min(max(block // 256, 1), 16))
     return normed, new_residual

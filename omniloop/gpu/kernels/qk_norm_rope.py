@@ -6,7 +6,8 @@ rotates one head of one token, in float32, rounding once on the store.
 
 ``qk_norm_rope`` reads the query and key heads straight out of a fused QKV projection's rows (queries,
 then keys, then values: the keys are the heads after the queries) and normalizes both in one launch,
-each head with its own weight; ``norm_rope`` does one tensor of heads. ``qk_norm_rope_cache`` also
+each head with its own weight; ``norm_rope`` does one tensor of heads, ``rope`` the rotation alone (for the
+codec decoder's transformer, which has no q/k norm). ``qk_norm_rope_cache`` also
 writes the keys and the (untouched) values straight into the KV cache at each token's slot and position,
 so a layer needs no separate cache-write kernels: one launch for q, k and v.
 """
@@ -30,12 +31,34 @@ def _normed_rotated(x_ptr, src, wq_ptr, wk_ptr, is_q, cos_ptr, sin_ptr, cos_row,
     w = tl.where(is_q, tl.load(wq_ptr + offs), tl.load(wk_ptr + offs)).to(tl.float32)
     wr = tl.where(is_q, tl.load(wq_ptr + rot), tl.load(wk_ptr + rot)).to(tl.float32)
     scale = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-    y = x * scale * w
-    yr = xr * scale * wr
+    return _rotate(x * scale * w, xr * scale * wr, cos_ptr, sin_ptr, cos_row, lane, D)
+
+
+@triton.jit
+def _rotate(y, yr, cos_ptr, sin_ptr, cos_row, lane, D: tl.constexpr):
+    """``y`` rotated (``yr``: y with its halves swapped, ``[T, D]``) by cos/sin row ``cos_row`` of each token."""
+    offs = tl.arange(0, D)[None, :]
     row = cos_row.to(tl.int64)[:, None] * D
     cos = tl.load(cos_ptr + row + offs, mask=lane, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + row + offs, mask=lane, other=0.0).to(tl.float32)  # sign-folded: -sin, first half
     return y * cos + yr * sin
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, cos_rows, num_tokens, D: tl.constexpr,
+                 T: tl.constexpr):
+    """``_norm_rope_kernel`` without the norm: head ``program_id(1)`` of a block of T tokens, rotated."""
+    token = tl.program_id(0) * T + tl.arange(0, T)
+    head = tl.program_id(1)
+    live = token < num_tokens
+    offs = tl.arange(0, D)[None, :]
+    lane = live[:, None] & (offs < D)
+    src = (token.to(tl.int64) * x_stride + head * D)[:, None]
+    x = tl.load(x_ptr + src + offs, mask=lane, other=0.0).to(tl.float32)
+    xr = tl.load(x_ptr + src + (offs + D // 2) % D, mask=lane, other=0.0).to(tl.float32)
+    y = _rotate(x, xr, cos_ptr, sin_ptr, token % cos_rows, lane, D)
+    dst = (token.to(tl.int64) * tl.num_programs(1) + head) * D
+    tl.store(out_ptr + dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
 
 
 @triton.jit(do_not_specialize=["start", "num_tokens"])
@@ -107,6 +130,18 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
     (R = B * L: per token; R = L: shared by every row). Returns the normalized, rotated x, same shape."""
     out = torch.empty_like(x)
     _launch(x, x.shape[2] * x.shape[3], weight, weight, cos, sin_folded, out, x.shape[2], eps)
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> torch.Tensor:
+    """x ``[B, L, heads, D]`` (contiguous) rotated, no norm: ``x * cos + rotate_half(x) * sin`` in float32, rounded
+    once; cos/sin as in ``norm_rope``. Returns a new contiguous tensor of x's shape."""
+    if not x.is_contiguous():
+        raise ValueError("rope takes contiguous [B, L, heads, D] heads")
+    b, n, heads, d = x.shape
+    out = torch.empty_like(x)
+    grid, t, warps = _grid(b * n, heads)
+    _rope_kernel[grid](x, cos, sin_folded, out, heads * d, cos.shape[0], b * n, D=d, T=t, num_warps=warps)
     return out
 
 

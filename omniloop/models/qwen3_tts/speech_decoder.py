@@ -18,6 +18,7 @@ Module names follow the checkpoint keys (``decoder.*`` in ``speech_tokenizer/mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,6 +97,11 @@ class _SplitRVQ(nn.Module):
         return self.rvq_first(codes[..., :self.num_semantic]) + self.rvq_rest(codes[..., self.num_semantic:])
 
 
+# the transformer's norms, layer-scaled residual adds and RoPE through Triton kernels on CUDA in half precision
+# (``_Transformer._forward_fused``); a switch so benchmarks can measure the torch path
+FUSED_TRANSFORMER = True
+
+
 class _Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -107,13 +113,13 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, k_cache: Tensor, v_cache: Tensor,
-                keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, rotate: Callable[[Tensor], Tensor], mask: Tensor, k_cache: Tensor,
+                v_cache: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``rotate``: RoPE of heads ``[B, L, heads, D]`` (contiguous, as the projections give them)."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.num_kv, self.head_dim).transpose(1, 2)
+        q = rotate(self.q_proj(x).view(b, n, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = rotate(self.k_proj(x).view(b, n, self.num_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, n, self.num_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_all, v_all = torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2)
         idx = keep[:, None, :, None].expand(-1, self.num_kv, -1, self.head_dim)
         new_k, new_v = k_all.gather(2, idx), v_all.gather(2, idx)
@@ -159,8 +165,11 @@ class _Transformer(nn.Module):
         self.window, self.theta, self.head_dim = cfg.sliding_window, cfg.rope_theta, cfg.attn_head_dim
         self.cache_len = cfg.sliding_window - 1
 
-    def forward(self, x: Tensor, pos: Tensor, lens: Tensor, caches: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """x ``[B, L, latent]``; pos ``[B]`` frames already decoded; caches ``[k0, v0, k1, v1, ...]``."""
+    def forward(self, x: Tensor, pos: Tensor, lens: Tensor, caches: list[Tensor],
+                fused: bool | None = None) -> tuple[Tensor, list[Tensor]]:
+        """x ``[B, L, latent]``; pos ``[B]`` frames already decoded; caches ``[k0, v0, k1, v1, ...]``.
+        ``fused``: through ``_forward_fused`` (None: where ``FUSED_TRANSFORMER`` and CUDA in half precision;
+        True elsewhere only where Triton runs, e.g. its CPU interpreter in the tests)."""
         num, w = x.shape[1], self.cache_len
         steps = torch.arange(num, device=x.device)
         qpos = pos[:, None] + steps
@@ -172,14 +181,51 @@ class _Transformer(nn.Module):
         cos, sin = rope_cos_sin(qpos, self.head_dim, self.theta)
         h = self.input_proj(x)
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        if fused is None:
+            fused = FUSED_TRANSFORMER and h.is_cuda and h.dtype in (torch.float16, torch.bfloat16)
+        if fused:
+            return self._forward_fused(h, cos, sin, mask, keep, caches)
         new_caches: list[Tensor] = []
+
+        def rotate(t: Tensor) -> Tensor:  # apply_rope's [B, heads, L, D] on views: the same ops as ever
+            return apply_rope(t.transpose(1, 2), cos, sin).transpose(1, 2)
+
         for i, layer in enumerate(self.layers):
-            a, k_new, v_new = layer.self_attn(layer.input_layernorm(h), cos, sin, mask, caches[2 * i],
+            a, k_new, v_new = layer.self_attn(layer.input_layernorm(h), rotate, mask, caches[2 * i],
                                               caches[2 * i + 1], keep)
             h = h + layer.self_attn_layer_scale(a)
             h = h + layer.mlp_layer_scale(layer.mlp(layer.post_attention_layernorm(h)))
             new_caches += [k_new, v_new]
         return self.output_proj(self.norm(h)), new_caches
+
+    def _forward_fused(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, keep: Tensor,
+                       caches: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """``forward``'s layers with the talker's Triton kernels (CUDA, half precision): each layer-scaled
+        residual add runs in the kernel of the norm after it (``add_rms_norm``: one launch for ~8 torch ops) and
+        q/k RoPE in one launch each (``rope``: for ~5), in float32 rounded once. The same values as the torch
+        path up to that rounding; float32 and CPU come here only when asked (their parity is bit for bit)."""
+        from omniloop.gpu.kernels.add_rms_norm import add_rms_norm
+        from omniloop.gpu.kernels.qk_norm_rope import rope
+
+        b, n, d = cos.shape
+        half = d // 2
+        cos_rows = cos.reshape(b * n, d).contiguous()
+        sin_rows = torch.cat((-sin[..., :half], sin[..., half:]), -1).reshape(b * n, d)  # sign-folded
+
+        def rotate(t: Tensor) -> Tensor:
+            return rope(t, cos_rows, sin_rows)
+
+        new_caches: list[Tensor] = []
+        normed = self.layers[0].input_layernorm(h)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            a, k_new, v_new = layer.self_attn(normed, rotate, mask, caches[2 * i], caches[2 * i + 1], keep)
+            post = layer.post_attention_layernorm
+            normed, h = add_rms_norm(a, h, post.weight, post.eps, scale=layer.self_attn_layer_scale.scale)
+            normed, h = add_rms_norm(layer.mlp(normed), h, next_norm.weight, next_norm.eps,
+                                     scale=layer.mlp_layer_scale.scale)
+            new_caches += [k_new, v_new]
+        return self.output_proj(normed), new_caches
 
 
 class _DecoderBlock(nn.Module):
