@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from omniloop.models.qwen3_tts import speech_layers
+from omniloop.models.qwen3_tts.speech_decoder import SpeechDecoder
 from omniloop.models.qwen3_tts.speech_layers import (
     CausalConv, CausalTransConv, ResidualUnit, new_frames, snake_layout,
 )
@@ -63,7 +65,8 @@ def test_weights_relaid_in_place_not_copied(decoders) -> None:
 def test_convs_see_channels_last_tensors(decoders, monkeypatch) -> None:
     """Every conv of the channels-last decoder runs 2-D on NHWC-contiguous input and weight and returns NHWC
     (so cuDNN would transpose nothing); none runs as a 1-D conv. The residual units' 1x1 convs run as the
-    matmul over channels they are (bias in the matmul, not a separate pass), so they are not among them."""
+    matmul over channels they are (the residual add in the matmul, not a separate pass), so they are not among
+    them."""
     _, cl = decoders[torch.float32]
     seen: list[bool] = []
     F = torch.nn.functional
@@ -195,3 +198,71 @@ def test_only_channels_last_units_take_an_input_lacking_a_bias(decoders) -> None
     tail = torch.zeros(1, *ref_unit.conv1.tail_shape())
     with pytest.raises(ValueError, match="x_bias"):
         ref_unit(x, tail, torch.tensor([2]), x_bias=torch.zeros(x.shape[1]))
+
+
+@pytest.fixture(scope="module")
+def biased_decoder() -> SpeechDecoder:
+    """A float64 channels-last decoder whose conv biases are all clearly non-zero (|b| >= 0.05) and whose last
+    conv is scaled down so the PCM is not clamped: a bias dropped or added twice shows in the output."""
+    ckpt = ensure_tiny_checkpoint("custom_voice")
+    decoder = SpeechTokenizer.load(ckpt, with_encoder=False, load_format="dummy", seed=3, dtype=torch.float64,
+                                   channels_last=True).decoder
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in decoder.modules():
+            if isinstance(m, (CausalConv, CausalTransConv)):
+                b = torch.randn(m.conv.bias.shape, generator=gen, dtype=torch.float64)
+                m.conv.bias.copy_(0.1 * b.sign() * (0.5 + b.abs()))
+        decoder.decoder[-1].conv.weight.mul_(0.01)
+    return decoder
+
+
+@torch.inference_mode()
+def decode_in_chunks(decoder: SpeechDecoder, codes: torch.Tensor, lens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``decoder.step`` over chunks of the cycling ``sizes``, the state carried from one to the next."""
+    state, pieces, start = decoder.init_state(codes.shape[0]), [], 0
+    while start < codes.shape[1]:
+        num = min(sizes[len(pieces) % len(sizes)], codes.shape[1] - start)
+        pcm, state = decoder.step(codes[:, start:start + num], (lens - start).clamp(0, num), state)
+        pieces.append(pcm)
+        start += num
+    return torch.cat(pieces, dim=1)
+
+
+def test_folded_units_hand_their_biases_on_exactly(biased_decoder, monkeypatch) -> None:
+    """Where the residual units fold biases, each adds its residual inside conv2's matmul (in place on its input)
+    and leaves conv2's bias, and the one its input lacked, to whoever reads its output next (the next block's
+    SnakeBeta, the final one): the PCM equals that of the separate bias and residual passes, one-shot and
+    streamed in chunks of varying size (float64: only rounding differs)."""
+    decoder = biased_decoder
+    units = [m for m in decoder.modules() if isinstance(m, ResidualUnit)]
+    codes = torch.from_numpy(np.random.default_rng(7).integers(0, 2048, (3, 30, 16)))
+    lens = torch.tensor([30, 17, 4])
+    sizes = [1, 3, 2, 7, 5]
+    num_steps = 9  # chunks of 1, 3, 2, 7, 5, 1, 3, 2 and 6 frames cover the 30
+    matmuls: list[torch.Size] = []
+    baddbmm_ = torch.Tensor.baddbmm_
+
+    def watch(self: torch.Tensor, *args, **kw) -> torch.Tensor:
+        matmuls.append(self.shape)
+        return baddbmm_(self, *args, **kw)
+    monkeypatch.setattr(torch.Tensor, "baddbmm_", watch)
+
+    def decode_both_ways() -> list[np.ndarray]:
+        return [decoder.decode(codes, lens).numpy(), decode_in_chunks(decoder, codes, lens, sizes).numpy()]
+
+    monkeypatch.setattr(speech_layers, "FOLD_CONV_BIAS", False)
+    assert not any(u.folds_bias() for u in units)
+    separate = decode_both_ways()
+    assert not matmuls
+    monkeypatch.setattr(speech_layers, "FOLD_CONV_BIAS", True)
+    assert units and all(u.folds_bias() for u in units)
+    folded = decode_both_ways()
+    assert len(matmuls) == len(units) * (1 + num_steps)
+    want = separate[0]
+    for got in (*folded, separate[1]):
+        assert got.shape == want.shape
+        for row, n in enumerate(lens.tolist()):
+            g, w = got[row, :n * SPF], want[row, :n * SPF]
+            assert 0.05 < np.abs(w).max() < 0.99  # neither silent nor clamped
+            assert np.abs(g - w).max() < 1e-10 * np.abs(w).max()

@@ -123,7 +123,8 @@ def main() -> None:
                     help="the decoder's conv layout (default: the tree's default, channels-last on CUDA where "
                          "the tree has it)")
     ap.add_argument("--no-fold-bias", action="store_true",
-                    help="the residual units' conv biases as separate passes (speech_layers.FOLD_CONV_BIAS off)")
+                    help="the residual units' conv biases and residual adds as separate passes "
+                         "(speech_layers.FOLD_CONV_BIAS off)")
     ap.add_argument("--json", default="")
     ap.add_argument("--warmup", type=int, nargs="*",
                     help="only: capture every graph bucket up to rows x frames <= N (each N in a fresh pool), "

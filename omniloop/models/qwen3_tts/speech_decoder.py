@@ -325,15 +325,20 @@ class SpeechDecoder(nn.Module):
             cur = cur * trans.stride
             x = run(convnext, x, cur)
         x = run(self.decoder[0], x, cur)
+        owed = None  # where the residual units fold conv biases: the per-channel bias x still lacks
         for blk in self.decoder[1:-2]:
             trans, units = blk.block[1], blk.block[2:]
-            # where the units fold conv biases, the first one also takes the transposed conv's (no pass for it)
+            # the block's SnakeBeta adds what the last block left owed; where the units fold biases, the
+            # transposed conv's is owed in turn, and each unit owes its conv2's on top (ResidualUnit.owed_bias).
+            # Those units update x in place: the transposed conv's output is read by nothing else.
             fold = units[0].folds_bias()
-            x = run(trans, x, cur, act=blk.block[0], with_bias=not fold)
+            x = run(trans, x, cur, act=blk.block[0], with_bias=not fold, act_bias=owed)
+            owed = trans.conv.bias if fold else None
             cur = cur * trans.stride
-            for i, unit in enumerate(units):
-                x = run(unit, x, cur, x_bias=trans.conv.bias if fold and i == 0 else None)
-        x = run(self.decoder[-1], x, cur, act=self.decoder[-2])
+            for unit in units:
+                x = run(unit, x, cur, x_bias=owed)
+                owed = unit.owed_bias(owed)
+        x = run(self.decoder[-1], x, cur, act=self.decoder[-2], act_bias=owed)
         return x.clamp(-1.0, 1.0)[:, 0], [pos + lens, *new_caches, *new_tails]
 
     @torch.inference_mode()

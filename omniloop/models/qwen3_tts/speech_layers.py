@@ -11,6 +11,8 @@ Layout: activations and tails are always indexed ``[B, C, T]``. With a conv laye
 (``torch.channels_last``) contiguous: cuDNN reads and writes it as is, instead of transposing every conv's
 input and output to NHWC and back. The ops between convs (SnakeBeta, the residual adds, ConvNeXt's
 LayerNorm and Linears over channels) work on either layout; in this one their transposes are free views.
+There the residual units also run their 1x1 conv as a matmul that adds the residual in place and leave
+conv biases to the next SnakeBeta kernel (``ResidualUnit``; switch ``FOLD_CONV_BIAS``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Channels-last residual units add their convs' biases inside other kernels (``ResidualUnit``); a switch so
-# benchmarks can measure the separate bias passes it removes (``tools/bench_codec.py --no-fold-bias``)
+# Channels-last residual units add their convs' biases inside other kernels and their residual inside conv2's
+# matmul (``ResidualUnit``); a switch so benchmarks can measure the separate bias and residual passes it removes
+# (``tools/bench_codec.py --no-fold-bias``)
 FOLD_CONV_BIAS = True
 
 try:  # the fused SnakeBeta kernel on CUDA; elsewhere (and without Triton) the plain torch ops
@@ -271,13 +274,15 @@ class CausalTransConv(_ConvLayer):
         return (self.conv.in_channels, self.context)
 
     def forward(self, x: Tensor, tail: Tensor | None, lens: Tensor, act: SnakeBeta | None = None,
-                with_bias: bool = True) -> tuple[Tensor, Tensor | None]:
-        """``with_bias=False``: the output lacks the conv's bias (``_ConvLayer._conv``; the decoder block hands
-        it to its first residual unit)."""
+                with_bias: bool = True, act_bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``), to
+        ``x + act_bias`` if given (the bias the previous decoder block's output still owes);
+        ``with_bias=False``: the output lacks the conv's bias (``_ConvLayer._conv``; the decoder block hands it
+        to its first residual unit)."""
         if self.context == 0:
-            return self._conv(x if act is None else act(x), with_bias), None
+            return self._conv(x if act is None else act(x, bias=act_bias), with_bias), None
         s, num = self.stride, x.shape[-1]
-        full = with_tail(tail, x, act, self.channels_last)
+        full = with_tail(tail, x, act, self.channels_last, act_bias)
         y = self._conv(full, with_bias)
         # y[:, :, :s] belongs to the tail frame (already emitted); the last s are the right trim.
         return y[..., s:(num + 1) * s], gather_tail(full, lens, 1, self.channels_last)
@@ -308,14 +313,27 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def folds_bias(self) -> bool:
-        """Whether this unit adds conv biases inside other kernels (``_forward_channels_last``), and so can
-        take an input still lacking the bias of the conv before it (``x_bias``)."""
+        """Whether this unit leaves conv biases to other kernels (``_forward_channels_last``): it then takes an
+        input still lacking a per-channel bias (``x_bias``) and returns one lacking ``owed_bias(x_bias)``."""
         return self.conv1.channels_last and FOLD_CONV_BIAS
+
+    def owed_bias(self, x_bias: Tensor | None) -> Tensor | None:
+        """The per-channel bias ``[C]`` this unit's output lacks when its input lacks ``x_bias``: where the unit
+        folds biases, ``x_bias`` plus conv2's (whoever reads the output next adds it, inside its SnakeBeta
+        kernel); else None (the output is complete)."""
+        if not self.folds_bias():
+            return None
+        bias = self.conv2.conv.bias
+        if x_bias is None:
+            return bias
+        return x_bias if bias is None else x_bias + bias
 
     def forward(self, x: Tensor, tail: Tensor, lens: Tensor,
                 x_bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """``x_bias`` (only where ``folds_bias``): ``x`` lacks this per-channel bias (the block's transposed
-        conv left it out); the unit computes on ``x + x_bias`` without a pass to add it."""
+        """``x_bias`` (only where ``folds_bias``): ``x`` lacks this per-channel bias (a conv before left it
+        out); the unit computes on ``x + x_bias`` without a pass to add it. Where the unit folds biases, its
+        output is ``x`` itself, updated in place (the caller must not read the input again), and lacks
+        ``owed_bias(x_bias)``."""
         if self.folds_bias():
             return self._forward_channels_last(x, tail, lens, x_bias)
         if x_bias is not None:
@@ -326,15 +344,21 @@ class ResidualUnit(nn.Module):
 
     def _forward_channels_last(self, x: Tensor, tail: Tensor, lens: Tensor,
                                x_bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """The same unit with no pass of its own for any conv's bias: ``x_bias`` is added inside the first
-        SnakeBeta's kernel, conv1's inside the second's, and the 1x1 conv2 runs as the matmul over channels it
-        is ([B*T, C] rows, which channels-last activations are), its bias and ``x_bias`` (the residual's) in
-        the matmul's epilogue. PyTorch adds a cuDNN conv's bias in a separate broadcast kernel over the whole
-        output (an H200 profile of a 64 x 8-frame codec step: ~55 such strided kernels, 4.5 of 17 ms)."""
+        """The same unit with no pass of its own for any conv's bias or for the residual add: ``x_bias`` is
+        added inside the first SnakeBeta's kernel, conv1's bias inside the second's, and the 1x1 conv2 runs as
+        the matmul over channels it is, accumulating into ``x`` (cuBLAS's ``C = A @ B + C``: the residual add is
+        the epilogue). That epilogue cannot also add a bias, so conv2's is left owed with ``x_bias``
+        (``owed_bias``) and the decoder adds their sum inside the next SnakeBeta kernel. An H200 profile of a
+        64 x 8-frame codec step: PyTorch's separate bias kernels after cuDNN convs took 4.5 of 17 ms, the
+        separate residual adds (strided, over ``[64, 96, 15360]`` and the like) 1.25 of 13.2 ms."""
         h, tail = self.conv1(x, tail, lens, act=self.act1, with_bias=False, act_bias=x_bias)
-        a = self.act2(h, bias=self.conv1.conv.bias)
-        w, bias = self.conv2.conv.weight, self.conv2.conv.bias
-        if x_bias is not None:
-            bias = x_bias if bias is None else bias + x_bias
-        h = F.linear(a.transpose(1, 2), w.view(w.shape[0], w.shape[1]), bias)
-        return x + h.transpose(1, 2), tail
+        a = self.act2(h, bias=self.conv1.conv.bias).transpose(1, 2)  # [B, T, C] rows, channels-last
+        w = self.conv2.conv.weight
+        w = w.view(w.shape[0], w.shape[1])
+        # x [B, C, T] is stored [B, T, C], so this view is [B, T, C] with rows of stride C and unit channel
+        # stride, which cuBLAS writes in place (its batch stride may exceed T*C: x can be a slice along T of the
+        # transposed conv's output, so a batched matmul, not addmm on a 2-D view). Overwriting x is safe: it is
+        # a fresh conv output or the previous unit's, which conv1 has read above and nothing reads after (the
+        # tail is gathered from conv1's own [tail, act1(x)] buffer, not from x).
+        x.transpose(1, 2).baddbmm_(a, w.t().expand(a.shape[0], -1, -1))
+        return x, tail
