@@ -125,6 +125,9 @@ def main() -> None:
     ap.add_argument("--no-fold-bias", action="store_true",
                     help="the residual units' conv biases and residual adds as separate passes "
                          "(speech_layers.FOLD_CONV_BIAS off)")
+    ap.add_argument("--no-fused-transformer", action="store_true",
+                    help="the transformer's norms, residual adds and RoPE as torch ops "
+                         "(speech_decoder.FUSED_TRANSFORMER off)")
     ap.add_argument("--json", default="")
     ap.add_argument("--warmup", type=int, nargs="*",
                     help="only: capture every graph bucket up to rows x frames <= N (each N in a fresh pool), "
@@ -135,6 +138,10 @@ def main() -> None:
         from omniloop.models.qwen3_tts import speech_layers
 
         speech_layers.FOLD_CONV_BIAS = False
+    if args.no_fused_transformer:
+        from omniloop.models.qwen3_tts import speech_decoder
+
+        speech_decoder.FUSED_TRANSFORMER = False
     torch.backends.cudnn.benchmark = not args.cudnn_heuristics
     if args.convs:
         bench_convs(64, 8, dtype)
