@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omniloop.profile import load_profile
-from omniloop.serve.bench import run_bench, summarize_runs
+from omniloop.serve.bench import gpu_state, run_bench, summarize_runs
 
 
 def test_summary_of_runs_is_median_min_max():
@@ -30,7 +30,7 @@ async def test_bench_repeats_each_level_on_one_engine():
                                     "transport=inproc"], platform="cpu")
     result = await run_bench(profile, [2, 3], num_requests=3, num_words=2, max_frames=4, repeat=2)
     assert [(r["concurrency"], r["run"]) for r in result["levels"]] == [(2, 0), (2, 1), (3, 0), (3, 1)]
-    assert all(r["errors"] == 0 and r["audio_s_per_s"] > 0 for r in result["levels"])
+    assert all(r["errors"] == 0 and r["audio_s_per_s"] > 0 and "gpu" in r for r in result["levels"])
     assert [s["concurrency"] for s in result["summary"]] == [2, 3]
     for summary in result["summary"]:
         spread = summary["audio_s_per_s"]
@@ -40,3 +40,29 @@ async def test_bench_repeats_each_level_on_one_engine():
 async def test_repeat_must_be_positive():
     with pytest.raises(ValueError, match="repeat"):
         await run_bench(load_profile("fake", [], platform="cpu"), [1], None, 2, 4, repeat=0)
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, out: str, rc: int = 0) -> None:
+    script = tmp_path / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nprintf '{out}'\nexit {rc}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+
+def test_gpu_state_parses_each_gpu(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, "0, 1980, 3201, 450.50, 55, 0x0000000000000000\\n"
+                                            "1, 1755, 3201, [N/A], 61, 0x0000000000000004\\n")
+    assert gpu_state() == [
+        {"index": 0, "sm_mhz": 1980.0, "mem_mhz": 3201.0, "power_w": 450.5, "temp_c": 55.0,
+         "clock_limits": "0x0000000000000000"},
+        {"index": 1, "sm_mhz": 1755.0, "mem_mhz": 3201.0, "power_w": None, "temp_c": 61.0,
+         "clock_limits": "0x0000000000000004"}]
+
+
+def test_gpu_state_is_none_without_a_usable_nvidia_smi(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert gpu_state() is None
+    _fake_nvidia_smi(tmp_path, monkeypatch, "No devices were found\\n", rc=6)
+    assert gpu_state() is None
+    _fake_nvidia_smi(tmp_path, monkeypatch, "1980, 3201\\n")  # fields missing: not guessed at
+    assert gpu_state() is None

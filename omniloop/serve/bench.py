@@ -128,7 +128,7 @@ async def run_bench(profile: Profile, levels: list[int], num_requests: int | Non
             runs = []
             for k in range(repeat):
                 result = await _level(engine, c, num_requests or 2 * c, num_words, max_frames, speaker)
-                runs.append({**asdict(result), "run": k})
+                runs.append({**asdict(result), "run": k, "gpu": gpu_state()})
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
             out += runs
             if repeat > 1:
@@ -140,6 +140,37 @@ async def run_bench(profile: Profile, levels: list[int], num_requests: int | Non
     if spread:
         result["summary"] = spread
     return result
+
+
+GPU_FIELDS = {"index": "index", "clocks.sm": "sm_mhz", "clocks.mem": "mem_mhz", "power.draw": "power_w",
+              "temperature.gpu": "temp_c", "clocks_throttle_reasons.active": "clock_limits"}
+
+
+def gpu_state() -> list[dict] | None:
+    """Each GPU's SM and memory clocks (MHz), power (W), temperature (C) and active clock-limit reasons (a hex
+    bit mask, nvidia-smi's ``clocks_event_reasons``) now, from nvidia-smi; None where it is missing or fails.
+    Sampled after each run: runs of one tree in calls an hour apart have differed by ~7 %, and this tells a
+    throttled GPU from a slower tree."""
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return None
+    gpus = []
+    for line in proc.stdout.strip().splitlines():
+        values = [v.strip() for v in line.split(",")]
+        if len(values) != len(GPU_FIELDS):
+            return None
+        gpu: dict = {}
+        for key, value in zip(GPU_FIELDS.values(), values):
+            try:
+                gpu[key] = value if key == "clock_limits" else int(value) if key == "index" else float(value)
+            except ValueError:  # "[N/A]" and the like
+                gpu[key] = None
+        gpus.append(gpu)
+    return gpus or None
 
 
 def summarize_runs(runs: list[dict]) -> dict:

@@ -102,6 +102,15 @@ def gather_tail(full: Tensor, lens: Tensor, size: int, channels_last: bool = Fal
     return full.gather(-1, idx[:, None, :].expand(-1, full.shape[1], -1))
 
 
+def activated(x: Tensor, act: SnakeBeta | None, act_bias: Tensor | None) -> Tensor:
+    """``act(x + act_bias)`` (the bias added inside the activation's kernel), or ``x`` when there is no ``act``."""
+    if act is None:
+        if act_bias is not None:
+            raise ValueError("act_bias needs an activation to add it in")
+        return x
+    return act(x, bias=act_bias)
+
+
 def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None, channels_last: bool = False,
               act_bias: Tensor | None = None) -> Tensor:
     """``cat([tail, act(x)], -1)`` in the given layout, with the activation written straight into the result;
@@ -249,7 +258,7 @@ class CausalConv(_ConvLayer):
         """``act``: an activation applied to ``x`` first (fused into building ``[tail, chunk]``), to
         ``x + act_bias`` if given; ``with_bias=False``: the output lacks the conv's bias (``_ConvLayer._conv``)."""
         if self.context == 0:
-            return self._conv(x if act is None else act(x, bias=act_bias), with_bias), None
+            return self._conv(activated(x, act, act_bias), with_bias), None
         full = with_tail(tail, x, act, self.channels_last, act_bias)
         return self._conv(full, with_bias), gather_tail(full, lens, self.context, self.channels_last)
 
@@ -280,7 +289,7 @@ class CausalTransConv(_ConvLayer):
         ``with_bias=False``: the output lacks the conv's bias (``_ConvLayer._conv``; the decoder block hands it
         to its first residual unit)."""
         if self.context == 0:
-            return self._conv(x if act is None else act(x, bias=act_bias), with_bias), None
+            return self._conv(activated(x, act, act_bias), with_bias), None
         s, num = self.stride, x.shape[-1]
         full = with_tail(tail, x, act, self.channels_last, act_bias)
         y = self._conv(full, with_bias)
