@@ -121,7 +121,8 @@ def check_rope() -> None:
         cos, sin = torch.rand(b, n, d), torch.rand(b, n, d)
         folded = torch.cat((-sin[..., :d // 2], sin[..., d // 2:]), -1).reshape(b * n, d)
         got = rope(x, cos.reshape(b * n, d), folded)
-        want = apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+        want = apply_rope(x.transpose(1, 2), cos, sin)
+        assert got.shape == (b, heads, n, d) and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

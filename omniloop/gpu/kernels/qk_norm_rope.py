@@ -45,9 +45,10 @@ def _rotate(y, yr, cos_ptr, sin_ptr, cos_row, lane, D: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, cos_rows, num_tokens, D: tl.constexpr,
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, cos_rows, num_tokens, row_len, D: tl.constexpr,
                  T: tl.constexpr):
-    """``_norm_rope_kernel`` without the norm: head ``program_id(1)`` of a block of T tokens, rotated."""
+    """``_norm_rope_kernel`` without the norm: head ``program_id(1)`` of a block of T tokens, rotated, stored
+    heads first (``[B, heads, L, D]``; token t is position ``t % row_len`` of row ``t // row_len``)."""
     token = tl.program_id(0) * T + tl.arange(0, T)
     head = tl.program_id(1)
     live = token < num_tokens
@@ -57,7 +58,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_stride, cos_rows, num_token
     x = tl.load(x_ptr + src + offs, mask=lane, other=0.0).to(tl.float32)
     xr = tl.load(x_ptr + src + (offs + D // 2) % D, mask=lane, other=0.0).to(tl.float32)
     y = _rotate(x, xr, cos_ptr, sin_ptr, token % cos_rows, lane, D)
-    dst = (token.to(tl.int64) * tl.num_programs(1) + head) * D
+    t = token.to(tl.int64)
+    dst = (((t // row_len) * tl.num_programs(1) + head) * row_len + t % row_len) * D
     tl.store(out_ptr + dst[:, None] + offs, y.to(out_ptr.dtype.element_ty), mask=lane)
 
 
@@ -135,13 +137,14 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tens
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_folded: torch.Tensor) -> torch.Tensor:
     """x ``[B, L, heads, D]`` (contiguous) rotated, no norm: ``x * cos + rotate_half(x) * sin`` in float32, rounded
-    once; cos/sin as in ``norm_rope``. Returns a new contiguous tensor of x's shape."""
+    once; cos/sin as in ``norm_rope``. Returns ``[B, heads, L, D]``, contiguous in that order (what attention and
+    a KV cache of that layout read: a ``torch.cat`` onto the cache then takes its vectorized path)."""
     if not x.is_contiguous():
         raise ValueError("rope takes contiguous [B, L, heads, D] heads")
     b, n, heads, d = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty((b, heads, n, d), dtype=x.dtype, device=x.device)
     grid, t, warps = _grid(b * n, heads)
-    _rope_kernel[grid](x, cos, sin_folded, out, heads * d, cos.shape[0], b * n, D=d, T=t, num_warps=warps)
+    _rope_kernel[grid](x, cos, sin_folded, out, heads * d, cos.shape[0], b * n, n, D=d, T=t, num_warps=warps)
     return out
 
 

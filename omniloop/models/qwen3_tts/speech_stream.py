@@ -36,9 +36,13 @@ SCRATCH = 0  # pool row of padded batch rows; never a stream's slot
 
 
 class _Pool:
-    """The packed state of ``rows`` slots: ``pos [rows]``, ``kv [rows, 2 * layers, heads, w, d]``,
+    """The packed state of ``rows`` slots: ``pos [rows]``, ``kv [2 * layers, rows, heads, w, d]``,
     ``tails [rows, sum of tail sizes]``. Each tail ``[C, P]`` is packed in the decoder's layout (``[P, C]``
-    when it is channels-last), so gather hands the layers views and scatter packs without a transpose."""
+    when it is channels-last), so gather hands the layers views and scatter packs without a transpose. The KV
+    is layer-major so each layer's gathered cache is contiguous: the transformer's concatenation of cache and
+    new keys then takes torch's vectorized copy (strided, it took ~32 us a layer at 64 x 8 frames on an H200)."""
+
+    SLOT_AXES = (0, 1, 0)  # the slot axis of pos, kv, tails
 
     def __init__(self, decoder: SpeechDecoder, rows: int) -> None:
         specs = decoder.state_specs()
@@ -47,7 +51,7 @@ class _Pool:
         self.channels_last = decoder.channels_last
         p = decoder.pre_conv.conv.weight
         self.pos = torch.zeros(rows, dtype=torch.int64, device=p.device)
-        self.kv = torch.zeros((rows, self.num_kv, *specs[1][0]), dtype=p.dtype, device=p.device)
+        self.kv = torch.zeros((self.num_kv, rows, *specs[1][0]), dtype=p.dtype, device=p.device)
         self.tails = torch.zeros((rows, sum(math.prod(s) for s in self.tail_shapes)), dtype=p.dtype,
                                  device=p.device)
 
@@ -57,25 +61,29 @@ class _Pool:
 
     def gather(self, idx: Tensor) -> list[Tensor]:
         """The ``SpeechDecoder.step`` state of rows ``idx`` (views into three gathered tensors)."""
-        pos, kv, flat = (t.index_select(0, idx) for t in self.tensors)
+        pos, kv, flat = (t.index_select(axis, idx) for t, axis in zip(self.tensors, self.SLOT_AXES))
         tails, off = [], 0
         for c, p in self.tail_shapes:
             part = flat.narrow(1, off, c * p)
             tails.append(part.view(-1, p, c).transpose(1, 2) if self.channels_last else part.view(-1, c, p))
             off += c * p
-        return [pos, *kv.unbind(1), *tails]
+        return [pos, *kv.unbind(0), *tails]
 
     def scatter(self, idx: Tensor, state: list[Tensor]) -> None:
-        kv = torch.stack(state[1:1 + self.num_kv], dim=1)
+        kv = torch.stack(state[1:1 + self.num_kv], dim=0)
         tails = state[1 + self.num_kv:]
         flat = torch.cat([(t.transpose(1, 2) if self.channels_last else t).flatten(1) for t in tails], dim=1)
-        for pool_t, new_t in zip(self.tensors, (state[0], kv, flat)):
-            pool_t.index_copy_(0, idx, new_t)
+        for pool_t, new_t, axis in zip(self.tensors, (state[0], kv, flat), self.SLOT_AXES):
+            pool_t.index_copy_(axis, idx, new_t)
+
+    def slot(self, slot: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Views of one slot's state in the three tensors."""
+        return tuple(t.select(axis, slot) for t, axis in zip(self.tensors, self.SLOT_AXES))
 
     def grown(self, decoder: SpeechDecoder, rows: int) -> _Pool:
         new = _Pool(decoder, rows)
-        for dst, src in zip(new.tensors, self.tensors):
-            dst[:src.shape[0]] = src
+        for dst, src, axis in zip(new.tensors, self.tensors, self.SLOT_AXES):
+            dst.narrow(axis, 0, src.shape[axis]).copy_(src)
         return new
 
 
@@ -121,8 +129,8 @@ class CodecStreams:
         if not self._free:
             self._grow()
         slot = self._free.pop()
-        for t in self._pool.tensors:
-            t[slot].zero_()
+        for t in self._pool.slot(slot):
+            t.zero_()
         self.slot_of[req_id] = slot
 
     def close(self, req_id: str) -> None:
