@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm] [overlap]
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm] [overlap] [codec]
 #   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
@@ -52,8 +52,15 @@ for part in "${parts[@]}"; do
     overlap)  # talker frames and codec steps alone and at once
       python3 tools/bench_overlap.py --frames 96 --out "$out/overlap-$commit.json" > "$out/overlap-$commit.log" 2>&1
       grep '^{"mode"' "$out/overlap-$commit.log" || tail -6 "$out/overlap-$commit.log" ;;
+    codec)  # codec steps at 64 and 16 rows, chunks 1-8 frames: defaults, then without each of the session-8 changes
+      for flags in "" --no-fused-transformer --no-fold-bias; do
+        echo "codec ${flags:-defaults}"
+        python3 tools/bench_codec.py --batches 64 16 --chunks 1 2 4 8 --steps 10 $flags 2>&1 | grep "ms/step"
+      done
+      python3 tools/bench_codec.py --batches 64 --chunks 8 --steps 10 --profile 64x8 > "$out/codec-profile-$commit.txt" 2>&1
+      grep "GPU kernel" "$out/codec-profile-$commit.txt" ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, overlap)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, overlap, codec)"; exit 2 ;;
   esac
 done
