@@ -27,7 +27,7 @@ from torch import nn
 
 from omniloop.models.qwen3_tts import fused_weights
 from omniloop.models.qwen3_tts.config import DecoderConfig
-from omniloop.models.qwen3_tts.rope import Rope, rotate_half
+from omniloop.models.qwen3_tts.rope import Rope, fold_sin, rotate_half
 
 
 # CUDA: per-head q/k RMSNorm + rope in one Triton kernel (``gpu/kernels/qk_norm_rope.py``); a switch so
@@ -413,8 +413,7 @@ class DecoderStack(nn.Module):
         else:
             cos, sin = self.rope(positions, x.dtype)
             if fast:
-                half = sin.shape[-1] // 2
-                sin = torch.cat((-sin[..., :half], sin[..., half:]), -1)
+                sin = fold_sin(sin)
         rows = (cos.reshape(b * n, -1).contiguous(), sin.reshape(b * n, -1).contiguous()) if fast else None
         cos, sin = cos[:, :, None], sin[:, :, None]
         # the caller marks padding tokens with a position >= max_len; they land on the scratch position

@@ -50,11 +50,18 @@ class Rope(nn.Module):
         if key not in self._tables:
             pos = torch.arange(length, device=self.inv_freq.device)[None]
             cos, sin = (t[0] for t in self.forward(pos, dtype))
-            half = sin.shape[-1] // 2
-            self._tables = {key: (cos, sin, torch.cat((-sin[:, :half], sin[:, half:]), -1))}
+            self._tables = {key: (cos, sin, fold_sin(sin))}
         return self._tables[key]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` of x's halves along the last dim: the partner of each lane in the rotation."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def fold_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` ``[..., D]`` with its first half negated: ``x * cos + x.roll(D / 2) * fold_sin(sin)`` is the
+    rotation ``x * cos + rotate_half(x) * sin``, the form the CUDA kernels (``qk_norm_rope``) read."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)

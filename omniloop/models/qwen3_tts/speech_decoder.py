@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omniloop.models.qwen3_tts.rope import fold_sin
 from omniloop.models.qwen3_tts.speech_config import DecoderConfig
 from omniloop.models.qwen3_tts.speech_layers import (
     CausalConv, CausalTransConv, ConvNeXtBlock, LayerScale, ResidualUnit, RMSNorm, SnakeBeta, apply_rope,
@@ -211,9 +212,7 @@ class _Transformer(nn.Module):
         from omniloop.gpu.kernels.qk_norm_rope import rope
 
         b, n, d = cos.shape
-        half = d // 2
-        cos_rows = cos.reshape(b * n, d).contiguous()
-        sin_rows = torch.cat((-sin[..., :half], sin[..., half:]), -1).reshape(b * n, d)  # sign-folded
+        cos_rows, sin_rows = cos.reshape(b * n, d), fold_sin(sin).reshape(b * n, d)
 
         def rotate(t: Tensor) -> Tensor:
             return rope(t, cos_rows, sin_rows)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omniloop.models.qwen3_tts.rope import rotate_half
+
 # Channels-last residual units add their convs' biases inside other kernels and their residual inside conv2's
 # matmul (``ResidualUnit``); a switch so benchmarks can measure the separate bias and residual passes it removes
 # (``tools/bench_codec.py --no-fold-bias``)
@@ -102,30 +104,26 @@ def gather_tail(full: Tensor, lens: Tensor, size: int, channels_last: bool = Fal
     return full.gather(-1, idx[:, None, :].expand(-1, full.shape[1], -1))
 
 
-def activated(x: Tensor, act: SnakeBeta | None, act_bias: Tensor | None) -> Tensor:
-    """``act(x + act_bias)`` (the bias added inside the activation's kernel), or ``x`` when there is no ``act``."""
+def activated(x: Tensor, act: SnakeBeta | None, act_bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """``act(x + act_bias)`` (the bias added inside the activation's kernel), or ``x`` when there is no ``act``;
+    written into ``out`` if given."""
     if act is None:
         if act_bias is not None:
             raise ValueError("act_bias needs an activation to add it in")
-        return x
-    return act(x, bias=act_bias)
+        return x if out is None else out.copy_(x)
+    return act(x, out=out, bias=act_bias)
 
 
 def with_tail(tail: Tensor, x: Tensor, act: SnakeBeta | None, channels_last: bool = False,
               act_bias: Tensor | None = None) -> Tensor:
     """``cat([tail, act(x)], -1)`` in the given layout, with the activation written straight into the result;
     ``act_bias``: ``act(x + act_bias)`` (see ``SnakeBeta.forward``)."""
-    if act_bias is not None and act is None:
-        raise ValueError("act_bias needs an activation to add it in")
     if act is None and not channels_last:
-        return torch.cat([tail, x], dim=-1)
+        return torch.cat([tail, activated(x, act, act_bias)], dim=-1)
     p = tail.shape[-1]
     full = new_frames(x, p + x.shape[-1], channels_last)
     full[..., :p] = tail
-    if act is None:
-        full[..., p:] = x
-    else:
-        act(x, out=full[..., p:], bias=act_bias)
+    activated(x, act, act_bias, out=full[..., p:])
     return full
 
 
@@ -140,9 +138,7 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x [B, H, L, D]``; cos/sin ``[B, L, D]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class RMSNorm(nn.Module):
