@@ -59,9 +59,18 @@ class _Pool:
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.pos, self.kv, self.tails
 
+    def _kv_rows(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """The KV as ``[layers * rows, -1]`` and the rows of slots ``idx`` in it, layer-major: selecting along
+        dim 0 takes torch's vectorized gather (along dim 1 it took the generic one, ~0.25 ms a 64-row step)."""
+        rows = self.kv.shape[1]
+        layers = torch.arange(self.num_kv, device=idx.device)
+        return self.kv.view(self.num_kv * rows, -1), (layers[:, None] * rows + idx[None, :]).flatten()
+
     def gather(self, idx: Tensor) -> list[Tensor]:
         """The ``SpeechDecoder.step`` state of rows ``idx`` (views into three gathered tensors)."""
-        pos, kv, flat = (t.index_select(axis, idx) for t, axis in zip(self.tensors, self.SLOT_AXES))
+        table, rows = self._kv_rows(idx)
+        pos, flat = self.pos.index_select(0, idx), self.tails.index_select(0, idx)
+        kv = table.index_select(0, rows).view(self.num_kv, idx.shape[0], *self.kv.shape[2:])
         tails, off = [], 0
         for c, p in self.tail_shapes:
             part = flat.narrow(1, off, c * p)
@@ -73,8 +82,10 @@ class _Pool:
         kv = torch.stack(state[1:1 + self.num_kv], dim=0)
         tails = state[1 + self.num_kv:]
         flat = torch.cat([(t.transpose(1, 2) if self.channels_last else t).flatten(1) for t in tails], dim=1)
-        for pool_t, new_t, axis in zip(self.tensors, (state[0], kv, flat), self.SLOT_AXES):
-            pool_t.index_copy_(axis, idx, new_t)
+        table, rows = self._kv_rows(idx)
+        table.index_copy_(0, rows, kv.view(rows.shape[0], -1))
+        self.pos.index_copy_(0, idx, state[0])
+        self.tails.index_copy_(0, idx, flat)
 
     def slot(self, slot: int) -> tuple[Tensor, Tensor, Tensor]:
         """Views of one slot's state in the three tensors."""
