@@ -26,6 +26,10 @@ LOG2E = 1.4426950408889634
 # is 512 programs of ~70 KB shared memory at the default depth: 3 a SM on the H200, 1.3 waves. A knob for the
 # on-device measurement of shallower pipelines (more programs a SM), not a tuned value
 NUM_STAGES: int | None = None
+# keys a program reads per loop step (at most), and warps a program. 32 keys a step: the talker's decode at 64 rows
+# x 320 keys took 26.0 us a layer against 29.7 at 64 (floor 19.7; tools/bench_attention.py, benchmarks/talker-steps.md)
+BLOCK_N_MAX = 32
+NUM_WARPS = 4
 
 
 def _stages() -> dict[str, int]:
@@ -171,9 +175,10 @@ def _launch(src: torch.Tensor, q_strides: tuple[int, ...], shape: tuple[int, int
         src, k_cache, v_cache, out, slots, lengths, kv_len, LOG2E / d ** 0.5, *q_strides, *k_cache.stride()[:3],
         *v_cache.stride()[:3], *(fresh or (None, None, None, None, 1, 0.0, None, 0, 0, 0, 0)),
         L=n, GROUPS=groups, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=max(16, triton.next_power_of_2(n * groups)), BLOCK_N=min(64, max(16, triton.next_power_of_2(kv_len))),
+        BLOCK_M=max(16, triton.next_power_of_2(n * groups)),
+        BLOCK_N=min(BLOCK_N_MAX, max(16, triton.next_power_of_2(kv_len))),
         PRECISION="ieee" if src.dtype == torch.float32 else "tf32",  # tf32 is ignored for half inputs
-        FRESH=fresh is not None, num_warps=4, **_stages())
+        FRESH=fresh is not None, num_warps=NUM_WARPS, **_stages())
     return out
 
 
