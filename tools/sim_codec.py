@@ -1,0 +1,201 @@
+"""The 64-stream benchmark simulated on CPU, to compare codec chunking policies before spending GPU time.
+
+The real ``CodecScheduler`` runs on a simulated clock; the talker and the codec are cost models fitted to H200
+measurements (benchmarks/talker-steps.md, codec-steps.md): a talker plan costs ``prefill_ms`` per admitted prompt
+plus one frame step, a codec step one graph replay per frame bucket of its rows (``a + b * rows + c * rows *
+frames`` ms, rows and frames rounded up to the captured buckets). Both stages share one GPU by processor sharing
+(each gets half while both have work: the H200 ran them at about their serial sum, benchmarks/pipeline.md).
+Clients are the bench's: closed loop, ``--concurrency`` of them, ``--num-requests`` in all, each request
+``--max-frames`` frames; playback starts at a request's first audio and any gap over 1 ms is an underrun.
+
+    python tools/sim_codec.py --set urgent_s=0.15 --set join_fraction=0.6
+
+What it is for: the number of codec steps and replays a policy needs and what it does to first audio and
+underruns, in seconds of simulated time. Its absolute audio-s/s is a model's, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from omniloop.gpu.cuda_graphs import batch_buckets, pick
+from omniloop.models.qwen3_tts.speech_stream import FRAME_BUCKETS
+from omniloop.scheduler.codec import CodecConfig, CodecScheduler
+from omniloop.scheduler.policy import FRAME_S
+from omniloop.transport.messages import Chunk, Finish
+
+DT = 1e-4  # s, the simulation's tick
+
+
+@dataclass
+class Costs:
+    frame_ms: float = 5.47  # talker decode frame at 64 rows (H200, 42796df)
+    prefill_ms: float = 1.27  # per admitted ~220-token prompt (an 18 x 218 plan: 27.9 ms incl. its frame)
+    prompt_tokens: int = 220
+    token_budget: int = 4096
+    replay_a: float = 1.83  # codec replay ms = a + b * rows + c * rows * frames (fit to 64/16 x 1/2/8, 33d1196)
+    replay_b: float = 0.0271
+    replay_c: float = 0.0179
+
+
+@dataclass
+class Req:
+    rid: int
+    arrival: float
+    frames: int = 0  # frames the talker has produced (or planned)
+    first_audio: float | None = None
+    audio_s: float = 0.0  # played-out clock: audio received so far
+    play_start: float = 0.0
+    gap_s: float = 0.0
+    done: float | None = None
+
+
+@dataclass
+class Stream:
+    """One GPU stream: work items (remaining ms, callback) run in order."""
+
+    items: deque = field(default_factory=deque)
+
+    def busy(self) -> bool:
+        return bool(self.items)
+
+
+def codec_cost(plan, costs: Costs, rows_buckets: tuple[int, ...]) -> tuple[float, int]:
+    groups: dict[int, int] = {}
+    for seq in plan.seqs:
+        f = pick(FRAME_BUCKETS, max(1, seq.end - seq.start))
+        groups[f] = groups.get(f, 0) + 1
+    ms, replays = 0.0, 0
+    for f, rows in groups.items():
+        while rows:
+            r = min(rows, rows_buckets[-1])
+            rb = pick(rows_buckets, r)
+            ms += costs.replay_a + costs.replay_b * rb + costs.replay_c * rb * f
+            replays += 1
+            rows -= r
+    return ms, replays
+
+
+def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int, max_frames: int,
+             in_flight: int = 2) -> dict:
+    now = [0.0]
+    sched = CodecScheduler(cfg, clock=lambda: now[0])
+    rows_buckets = batch_buckets(cfg.max_num_seqs)
+    talker, codec = Stream(), Stream()
+    reqs: dict[int, Req] = {}
+    waiting: deque[int] = deque()
+    active: list[int] = []  # prefilled, still producing frames
+    submitted = 0
+    talker_in_flight = codec_in_flight = 0
+    codec_steps = codec_replays = 0
+
+    def submit_new() -> None:
+        nonlocal submitted
+        if submitted < num_requests:
+            reqs[submitted] = Req(submitted, now[0])
+            waiting.append(submitted)
+            submitted += 1
+
+    for _ in range(concurrency):
+        submit_new()
+
+    def on_talker(rows: list[int]) -> None:
+        nonlocal talker_in_flight
+        talker_in_flight -= 1
+        for rid in rows:
+            req = reqs[rid]
+            final = req.frames >= max_frames and rid not in active
+            code = np.zeros((1, cfg.num_codebooks), dtype=np.int64)
+            sched.extend(str(rid), Chunk(req_id=str(rid), seq=0, final=final, reason="length" if final else None,
+                                         stage="talker"), {"codes": code})
+
+    def plan_talker() -> None:
+        nonlocal talker_in_flight
+        news, tokens = [], 0
+        while waiting and len(active) + len(news) < 64 and tokens + costs.prompt_tokens <= costs.token_budget:
+            news.append(waiting.popleft())
+            tokens += costs.prompt_tokens
+        rows = active + news
+        if not rows:
+            return
+        for rid in rows:
+            reqs[rid].frames += 1
+        active[:] = [rid for rid in rows if reqs[rid].frames < max_frames]
+        ms = costs.prefill_ms * len(news) + costs.frame_ms
+        talker.items.append([ms, lambda rows=list(rows): on_talker(rows)])
+        talker_in_flight += 1
+
+    def on_codec(plan) -> None:
+        nonlocal codec_in_flight
+        codec_in_flight -= 1
+        for seq in plan.seqs:  # the step's PCM reaches every client at once, when the step ends
+            req = reqs[int(seq.req_id)]
+            if req.first_audio is None:
+                req.first_audio = req.play_start = now[0]
+            elif now[0] > req.play_start + req.audio_s:  # the player ran dry: it waits, then plays on
+                req.gap_s += now[0] - (req.play_start + req.audio_s)
+                req.play_start = now[0] - req.audio_s
+            req.audio_s += (seq.end - seq.start) * FRAME_S
+        for emit in sched.update(plan, [np.zeros(0, np.float32)] * len(plan.seqs)):
+            if isinstance(emit.msg, Finish):
+                reqs[int(emit.msg.req_id)].done = now[0]
+                submit_new()
+
+    while any(r.done is None for r in reqs.values()):
+        while talker_in_flight < in_flight and (active or waiting):
+            plan_talker()
+        while codec_in_flight < in_flight:
+            plan = sched.schedule()
+            if plan is None:
+                break
+            ms, replays = codec_cost(plan, costs, rows_buckets)
+            codec_steps += 1
+            codec_replays += replays
+            codec.items.append([ms, lambda plan=plan: on_codec(plan)])
+            codec_in_flight += 1
+        share = 0.5 if talker.busy() and codec.busy() else 1.0
+        now[0] += DT
+        for stream in (talker, codec):
+            if stream.items:
+                stream.items[0][0] -= DT * 1e3 * share
+                if stream.items[0][0] <= 0:
+                    stream.items.popleft()[1]()
+        if now[0] > 60:
+            raise RuntimeError("simulation did not finish in 60 s")
+    done = list(reqs.values())
+    wall = max(r.done for r in done)
+    first = np.array([r.first_audio - r.arrival for r in done])
+    return dict(audio_s_per_s=round(sum(r.audio_s for r in done) / wall, 1), wall_s=round(wall, 3),
+                first_audio_p95_s=round(float(np.percentile(first, 95)), 4),
+                underrun_fraction=float(np.mean([r.gap_s > 1e-3 for r in done])),
+                gap_mean_s=round(float(np.mean([r.gap_s for r in done])), 4),
+                codec_steps=codec_steps, codec_replays=codec_replays)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--max-frames", type=int, default=100)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a CodecConfig field (urgent_s, join_fraction, initial_frames, frames) or a Costs field")
+    args = ap.parse_args()
+    cfg = CodecConfig(max_num_seqs=64, max_frames_per_step=512, initial_frames=2, frames=8)
+    costs = Costs()
+    for item in args.set:
+        key, value = item.split("=", 1)
+        if hasattr(cfg, key):
+            cfg = replace(cfg, **{key: type(getattr(cfg, key))(value)})
+        else:
+            costs = replace(costs, **{key: type(getattr(costs, key))(value)})
+    out = simulate(cfg, costs, args.concurrency, args.num_requests, args.max_frames)
+    print(json.dumps(dict(settings=args.set, **out)))
+
+
+if __name__ == "__main__":
+    main()
