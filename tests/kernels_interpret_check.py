@@ -326,12 +326,25 @@ def check_decode_attention() -> None:
     k_cache, v_cache = torch.randn(2, num_slots, nk, max_len + 1, d)
     positions = torch.tensor([4, max_len, 0, 130])  # row 1: scratch (inactive or fresh)
     cases = [  # (L, kv_len, positions, slots)
-        (1, 140, positions, None),  # 140 keys: three blocks of 64, the last partial
+        (1, 140, positions, None),  # 140 keys: several blocks (of 32 or 64 keys), the last partial
         (1, 140, positions, torch.tensor([3, 0, 4, 1])),
         (1, 9, positions.clamp(max=8), torch.tensor([2, 2, 0, 1])),  # a slot read by two rows
         (2, 2, None, None),  # code predictor, first step: causal
         (1, 17, None, None),  # code predictor, last step
     ]
+    import omniloop.gpu.kernels.decode_attention as da
+
+    saved = da.BLOCK_N_MAX
+    try:
+        for block in (32, 64):  # the launch's two block sizes (_block_n: many programs / few)
+            da.BLOCK_N_MAX = block
+            _check_decode_cases(cases, k_cache, v_cache, nq, nk, d)
+    finally:
+        da.BLOCK_N_MAX = saved
+    check_attention_decode_kernel()
+
+
+def _check_decode_cases(cases: list, k_cache: torch.Tensor, v_cache: torch.Tensor, nq: int, nk: int, d: int) -> None:
     for n, kv_len, pos, slots in cases:
         b = 4
         q = torch.randn(b, n, (nq + 2 * nk) * d)[..., :nq * d].view(b, n, nq, d)
@@ -345,7 +358,6 @@ def check_decode_attention() -> None:
         got = decode_attention(q, k_cache, v_cache, kv_len, None if pos is None else pos + 1, slots)
         assert got.shape == (b, n, nq, d) and got.is_contiguous()
         torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-5, msg=str((n, kv_len, slots)))
-    check_attention_decode_kernel()
 
 
 def check_attention_decode_kernel() -> None:

@@ -55,3 +55,17 @@ def test_packed_layout_refuses_what_does_not_fit() -> None:
 
     with pytest.raises(ValueError, match="do not fit"):
         packed_layout(np.array([3, 0]), np.array([0, 1]), 8, max_len=16)  # an empty prompt
+
+
+def test_decode_attention_reads_smaller_key_blocks_only_where_programs_fill_the_device(monkeypatch) -> None:
+    """32 keys a loop step where a launch has at least two programs a SM (the talker at 64 rows: faster on the
+    H200), 64 where it has fewer (1 and 8 rows: faster there); never more than the bucket needs."""
+    from omniloop.gpu.kernels import decode_attention as da
+
+    monkeypatch.setitem(da._SM_COUNT, 0, 132)  # an H200's count, so no device is asked
+    gpu = torch.device("cuda", 0)
+    assert da._block_n(320, 64 * 8, gpu) == 32
+    assert da._block_n(320, 8 * 8, gpu) == 64
+    assert da._block_n(320, 263, gpu) == 64 and da._block_n(320, 264, gpu) == 32
+    assert da._block_n(17, 8, gpu) == 32 and da._block_n(9, 512, gpu) == 16  # the code predictor's short caches
+    assert da._block_n(320, 8, torch.device("cpu")) == da.BLOCK_N_MAX

@@ -59,13 +59,14 @@ def main() -> None:
     ap.add_argument("--kv-bucket", type=int, default=512)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--variants", nargs="+", default=["64/4/-"],
-                    help="BLOCK_N_MAX/NUM_WARPS/NUM_STAGES ('-': Triton's default depth)")
+                    help="keys a step/NUM_WARPS/NUM_STAGES ('-': Triton's default depth)")
     args = ap.parse_args()
     for context in args.context:
         floor_us = args.rows * context * HKV * D * 2 * 2 / COPY_BYTES_PER_S * 1e6
         for variant in args.variants:
             block, warps, stages = variant.split("/")
-            da.BLOCK_N_MAX, da.NUM_WARPS = int(block), int(warps)
+            da.BLOCK_N_MAX = da.BLOCK_N_FEW = int(block)  # forced, whatever the launch's size
+            da.NUM_WARPS = int(warps)
             da.NUM_STAGES = None if stages == "-" else int(stages)
             us = time_variant(args.rows, context, args.kv_bucket, args.iters)
             print(json.dumps(dict(rows=args.rows, context=context, variant=variant, us_per_layer=round(us, 2),

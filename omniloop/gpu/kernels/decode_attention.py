@@ -26,10 +26,26 @@ LOG2E = 1.4426950408889634
 # is 512 programs of ~70 KB shared memory at the default depth: 3 a SM on the H200, 1.3 waves. A knob for the
 # on-device measurement of shallower pipelines (more programs a SM), not a tuned value
 NUM_STAGES: int | None = None
-# keys a program reads per loop step (at most), and warps a program. 32 keys a step: the talker's decode at 64 rows
-# x 320 keys took 26.0 us a layer against 29.7 at 64 (floor 19.7; tools/bench_attention.py, benchmarks/talker-steps.md)
+# keys a program reads per loop step (at most): BLOCK_N_MAX where there are at least two programs (row, kv head) a
+# SM, else BLOCK_N_FEW; warps a program. The talker's decode at 64 rows x 320 keys (512 programs) took 26.0 us a
+# layer with 32 keys a step against 29.7 with 64 (floor 19.7); at 1 and 8 rows 64 was faster (7.2 vs 8.5 us at 256
+# keys, 11.1 vs 13.8 at 2,048; tools/bench_attention.py, benchmarks/talker-steps.md)
 BLOCK_N_MAX = 32
+BLOCK_N_FEW = 64
 NUM_WARPS = 4
+_SM_COUNT: dict[int, int] = {}
+
+
+def _block_n(kv_len: int, num_programs: int, device: torch.device) -> int:
+    """Keys a program reads per loop step for a launch of ``num_programs`` over ``kv_len`` keys at most."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SM_COUNT:
+            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        most = BLOCK_N_MAX if num_programs >= 2 * _SM_COUNT[index] else BLOCK_N_FEW
+    else:
+        most = BLOCK_N_MAX
+    return min(most, max(16, triton.next_power_of_2(kv_len)))
 
 
 def _stages() -> dict[str, int]:
@@ -176,7 +192,7 @@ def _launch(src: torch.Tensor, q_strides: tuple[int, ...], shape: tuple[int, int
         *v_cache.stride()[:3], *(fresh or (None, None, None, None, 1, 0.0, None, 0, 0, 0, 0)),
         L=n, GROUPS=groups, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=max(16, triton.next_power_of_2(n * groups)),
-        BLOCK_N=min(BLOCK_N_MAX, max(16, triton.next_power_of_2(kv_len))),
+        BLOCK_N=_block_n(kv_len, b * hkv, src.device),
         PRECISION="ieee" if src.dtype == torch.float32 else "tf32",  # tf32 is ignored for half inputs
         FRESH=fresh is not None, num_warps=NUM_WARPS, **_stages())
     return out
