@@ -104,12 +104,11 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
     for _ in range(concurrency):
         submit_new()
 
-    def on_talker(rows: list[int]) -> None:
+    def on_talker(rows: list[int], finals: set[int]) -> None:
         nonlocal talker_in_flight
         talker_in_flight -= 1
         for rid in rows:
-            req = reqs[rid]
-            final = req.frames >= max_frames and rid not in active
+            final = rid in finals  # decided when the plan was made: a later plan in flight has counted on
             code = np.zeros((1, cfg.num_codebooks), dtype=np.int64)
             sched.extend(str(rid), Chunk(req_id=str(rid), seq=0, final=final, reason="length" if final else None,
                                          stage="talker"), {"codes": code})
@@ -126,8 +125,9 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
         for rid in rows:
             reqs[rid].frames += 1
         active[:] = [rid for rid in rows if reqs[rid].frames < max_frames]
+        finals = {rid for rid in rows if reqs[rid].frames >= max_frames}
         ms = costs.prefill_ms * len(news) + costs.frame_ms
-        talker.items.append([ms, lambda rows=list(rows): on_talker(rows)])
+        talker.items.append([ms, lambda rows=list(rows), finals=finals: on_talker(rows, finals)])
         talker_in_flight += 1
 
     def on_codec(plan) -> None:
@@ -171,6 +171,7 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
     wall = max(r.done for r in done)
     first = np.array([r.first_audio - r.arrival for r in done])
     return dict(audio_s_per_s=round(sum(r.audio_s for r in done) / wall, 1), wall_s=round(wall, 3),
+                audio_s=round(sum(r.audio_s for r in done), 6), num_finished=len(done),
                 first_audio_p95_s=round(float(np.percentile(first, 95)), 4),
                 underrun_fraction=float(np.mean([r.gap_s > 1e-3 for r in done])),
                 gap_mean_s=round(float(np.mean([r.gap_s for r in done])), 4),
