@@ -7,6 +7,7 @@ timed as ``reps`` back-to-back calls replayed from one CUDA graph (so in-graph l
 with the bytes it must read (weights + activations) and the achieved fraction of the 4.26 TB/s copy rate.
 
     python tools/bench_gemm.py --m 64 [--reps 50] [--out gemm.json]      # on the GPU
+    python tools/bench_gemm.py --m 64 --kernels --parts 2 4              # + kernel names, K-split partials
     python tools/bench_gemm.py --dry-run                                  # the shapes and floors only (any machine)
 
 A Triton matmul with the RMSNorm / SiLU*up / residual add fused in was swept against these cuBLAS calls at
@@ -51,9 +52,33 @@ def floor_us(m: int, n: int, k: int, elem: int = 2) -> float:
     return (n * k + m * k + m * n) * elem / COPY_BYTES_PER_S * 1e6
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """``F.linear(x, w)``; with ``parts`` > 1, the product as ``parts`` float32 partial sums over slices of K
+    (``[parts, m, n]``, one batched matmul): what a norm kernel after the matmul could sum itself, in place of
+    cuBLAS's split-K reduce kernel."""
+    if parts == 1:
+        return torch.nn.functional.linear(x, w)
+    m, k = x.shape
+    n = w.shape[0]
+    a = x.view(m, parts, k // parts).transpose(0, 1)
+    b = w.view(n, parts, k // parts).permute(1, 2, 0)
+    return torch.bmm(a, b, out_dtype=torch.float32)
+
+
+def kernels_of(m: int, n: int, k: int, parts: int = 1) -> list[str]:
+    """The CUDA kernels one call launches (names cut to 70 characters): split-K shows as a reduce kernel."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    linear(x, w, parts)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        linear(x, w, parts)
+        torch.cuda.synchronize()
+    return [e.name[:70] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 @torch.no_grad()
-def time_us(m: int, n: int, k: int, reps: int) -> float:
-    """µs per ``F.linear(x, w)`` over ``reps`` calls replayed from one graph."""
+def time_us(m: int, n: int, k: int, reps: int, parts: int = 1) -> float:
+    """µs per ``linear(x, w, parts)`` over ``reps`` calls replayed from one graph."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     # distinct weight copies, more bytes than the H200's 50 MB L2 together, used in turn: in the frame every
     # layer reads its own weights, so timing one weight over and over would read it from L2
@@ -63,12 +88,12 @@ def time_us(m: int, n: int, k: int, reps: int) -> float:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for w in ws[:3]:
-            torch.nn.functional.linear(x, w)
+            linear(x, w, parts)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(reps):
-            torch.nn.functional.linear(x, ws[i % copies])
+            linear(x, ws[i % copies], parts)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -85,6 +110,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--size", default="1.7b")
     parser.add_argument("--dry-run", action="store_true", help="shapes and floors only")
+    parser.add_argument("--kernels", action="store_true", help="also list each call's kernels (split-K shows)")
+    parser.add_argument("--parts", type=int, nargs="*", default=[],
+                        help="also time each shape as P float32 partial sums over K (one batched matmul)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not args.dry_run and not torch.cuda.is_available():
@@ -99,6 +127,11 @@ def main() -> None:
                 us = time_us(m, row["n"], row["k"], args.reps)
                 r.update(us=round(us, 2), of_floor=round(fl / us, 3))
                 total_us += us * row["calls"]
+                if args.kernels:
+                    r["kernels"] = kernels_of(m, row["n"], row["k"])
+                for parts in args.parts:
+                    if row["k"] % parts == 0:
+                        r[f"parts{parts}_us"] = round(time_us(m, row["n"], row["k"], args.reps, parts), 2)
             total_floor += fl * row["calls"]
             results.append(r)
             print(json.dumps(r), flush=True)

@@ -60,7 +60,7 @@ for part in "${parts[@]}"; do
       python3 tools/bench_codec.py --batches 64 --chunks 8 --steps 10 --profile 64x8 > "$out/codec-profile-$commit.txt" 2>&1
       grep "GPU kernel" "$out/codec-profile-$commit.txt" ;;
     gemm)
-      python3 tools/bench_gemm.py --m 1 64 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
+      python3 tools/bench_gemm.py --m 1 64 --kernels --parts 2 4 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
     *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, overlap, codec)"; exit 2 ;;
   esac
 done
