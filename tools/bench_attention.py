@@ -15,6 +15,8 @@ import torch
 
 from omniloop.gpu.kernels import decode_attention as da
 
+from bench_talker import graph_of, time_ms
+
 COPY_BYTES_PER_S = 4.26e12
 LAYERS, HQ, HKV, D = 28, 16, 8, 128
 
@@ -34,22 +36,7 @@ def time_variant(rows: int, context: int, kv_bucket: int, iters: int) -> float:
         for k, v in caches:
             da.decode_attention_fresh(qkv, HQ, HKV, w, w, 1e-6, cos, sin, k, v, positions, kv_bucket, lengths)
 
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step()
-    torch.cuda.synchronize()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters / LAYERS * 1e3  # us a layer
+    return time_ms(graph_of(step).replay, iters) / LAYERS * 1e3  # us a layer
 
 
 def main() -> None:
