@@ -98,6 +98,7 @@ def launch_all() -> None:
         x = torch.empty(rows, hidden, dtype=bf)
         g = torch.empty(hidden, dtype=bf)
         add_rms_norm(x, torch.empty_like(x), g, 1e-6)
+        add_rms_norm(torch.empty(4, rows, hidden), torch.empty_like(x), g, 1e-6)  # float32 partial sums
         silu_mul(torch.empty(rows, 2 * inter, dtype=bf))
     codec_tokens = 64 * 8  # the codec decoder's transformer: layer-scaled adds + norms, q/k RoPE (no norm)
     x = torch.empty(codec_tokens, 1024, dtype=bf)

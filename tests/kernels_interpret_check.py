@@ -544,6 +544,35 @@ def check_add_rms_norm_scaled() -> None:
     assert not torch.allclose(plain, normed)  # the scale is applied, not ignored
 
 
+def check_add_rms_norm_parts() -> None:
+    """x as float32 partial sums ``[P, ..., H]`` of one product: the kernel adds them in order, then the residual,
+    and rounds once; the norm as always. Bit for bit against the same sums in torch (float32 addition in the
+    same order), bf16 and float32 outputs."""
+    torch.manual_seed(14)
+    eps = 1e-6
+    for dtype in (torch.bfloat16, torch.float32):
+        parts = torch.randn(3, 2, 5, 96) * 3
+        residual = (torch.randn(2, 5, 96) * 8).to(dtype)
+        weight = (torch.rand(96) + 0.5).to(dtype)
+        normed, new_residual = add_rms_norm(parts, residual, weight, eps)
+        assert normed.shape == new_residual.shape == residual.shape and normed.dtype == dtype
+        total = parts[0] + parts[1] + parts[2] + residual.float()
+        truncate = not torch.equal(new_residual, total.to(dtype))
+        assert torch.equal(new_residual, to_dtype(total, dtype, truncate)), dtype
+        s = new_residual.float()
+        want = to_dtype(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float(), dtype, truncate)
+        if dtype == torch.float32:  # the mean's summation order: a few units in the last place
+            torch.testing.assert_close(normed, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert int(ulps(normed, want).max()) <= 1, dtype
+    for bad in (torch.randn(3, 5, 96).to(torch.bfloat16), torch.randn(3, 4, 96)):  # not float32; wrong rows
+        try:
+            add_rms_norm(bad, torch.randn(5, 96), torch.ones(96), eps)
+        except ValueError:
+            continue
+        raise AssertionError(f"partial sums {tuple(bad.shape)} {bad.dtype} were accepted")
+
+
 def check_codec_transformer() -> None:
     """The codec decoder's sliding-window transformer through the Triton kernels (``_forward_fused``) computes
     its torch forward: outputs and the new KV caches, float32 to rounding, bf16 to a few units in the last
@@ -594,6 +623,25 @@ def check_fused_stack() -> None:
             got = stack._forward_fused(x.to(dtype), k_cache, v_cache, step)
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert got.shape == want.shape and err < rel, (dtype, float(err))
+        # the output and down projections as float32 partial sums that the norms sum (DOWN_PARTS, O_PARTS)
+        calls = []
+        plain = layers.linear_parts
+
+        def counted(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+            calls.append(parts)
+            return plain(x, weight, parts)
+
+        saved = layers.DOWN_PARTS, layers.O_PARTS, layers.linear_parts
+        layers.DOWN_PARTS, layers.O_PARTS, layers.linear_parts = 2, 4, counted
+        try:
+            k_cache, v_cache = cache.clone(), cache.clone()
+            with torch.no_grad():
+                got = stack._forward_fused(x.to(dtype), k_cache, v_cache, step)
+        finally:
+            layers.DOWN_PARTS, layers.O_PARTS, layers.linear_parts = saved
+        assert sorted(calls) == [2] * cfg.num_layers + [4] * cfg.num_layers, calls
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        assert got.shape == want.shape and err < rel, ("parts", dtype, float(err))
 
 
 def check_fresh_attention_stack() -> None:
@@ -672,6 +720,7 @@ if __name__ == "__main__":
     check_packed_attention()
     check_add_rms_norm()
     check_add_rms_norm_scaled()
+    check_add_rms_norm_parts()
     check_codec_transformer()
     check_fused_stack()
     check_fresh_attention_stack()

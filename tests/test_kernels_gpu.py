@@ -231,6 +231,37 @@ def test_fused_add_norm_stack_matches_the_unfused_path(monkeypatch: pytest.Monke
         assert err < 1e-2, (name, err)
 
 
+@torch.no_grad()
+def test_projections_as_partial_sums_match_the_plain_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``layers.DOWN_PARTS`` / ``O_PARTS``: the output and down projections as float32 partial sums of bf16 inputs
+    (``torch.bmm(..., out_dtype=float32)``), summed by the norm kernel, give the plain fused stack's output (they
+    skip one bf16 rounding, so not bit for bit) and ``linear_parts`` sums to the float32 product."""
+    from omniloop.models.qwen3_tts import layers
+    from omniloop.models.qwen3_tts.config import DecoderConfig
+
+    x = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) / 3072 ** 0.5
+    partial = layers.linear_parts(x, w, 4)
+    assert partial.shape == (4, 64, 1024) and partial.dtype == torch.float32
+    want = x.float() @ w.float().T
+    assert ((partial.sum(0) - want).norm() / want.norm()).item() < 1e-5
+    cfg = DecoderConfig(vocab_size=32, hidden_size=1024, intermediate_size=3072, num_layers=4, num_heads=16,
+                        num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=10000.0, mrope_section=None,
+                        mrope_interleaved=False, max_position_embeddings=64, attention_bias=False)
+    torch.manual_seed(0)
+    stack = layers.DecoderStack(cfg, "cuda", torch.bfloat16)
+    stack.fuse()
+    h = torch.randn(64, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(cfg.num_layers, 64, cfg.num_kv_heads, 20, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for parts in (0, 4):
+        monkeypatch.setattr(layers, "DOWN_PARTS", parts)
+        monkeypatch.setattr(layers, "O_PARTS", parts)
+        out[parts] = stack(h, 9, cache.clone(), cache.clone(), None, 10).float()
+    err = ((out[4] - out[0]).norm() / out[0].norm()).item()
+    assert 0 < err < 1e-2, err  # not equal: the partial sums did run
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_rope_cache_writes_what_the_separate_writes_write(dtype: torch.dtype) -> None:
     """One launch for q, k and v: q equals ``qk_norm_rope``'s, and both caches equal the slice copy /

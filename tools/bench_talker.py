@@ -304,19 +304,24 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str], prefill_graphs: bool 
 
 def set_variant(name: str) -> None:
     """The decode kernels of one ``--variants`` entry (every switch back to its default first); parts joined by
-    ``+`` combine, e.g. ``attention+stages:2``."""
+    ``+`` combine, e.g. ``attention+stages:2`` or ``attention+down:4+o:2``."""
     from omniloop.gpu.kernels import decode_attention
 
     layers.FUSED_QKV_ATTENTION = False
     decode_attention.NUM_STAGES = None
+    layers.DOWN_PARTS = layers.O_PARTS = 0
     for part in name.split("+"):
         kind, _, arg = part.partition(":")
-        if kind not in ("off", "attention", "stages"):
+        if kind not in ("off", "attention", "stages", "down", "o"):
             raise SystemExit(f"unknown variant {part!r} in {name!r}")
         if kind == "attention":
             layers.FUSED_QKV_ATTENTION = True
         if kind == "stages":
             decode_attention.NUM_STAGES = int(arg)
+        if kind == "down":  # the down projection as P float32 partial sums the next norm adds up
+            layers.DOWN_PARTS = int(arg)
+        if kind == "o":  # the same for the attention's output projection
+            layers.O_PARTS = int(arg)
 
 
 def main() -> None:
@@ -340,8 +345,8 @@ def main() -> None:
     parser.add_argument("--no-fused-qkv-attention", action="store_true",
                         help="q/k norm+rope and KV write apart from the decode attention (layers.FUSED_QKV_ATTENTION)")
     parser.add_argument("--variants", help="comma-separated frame variants timed in one process: off, attention "
-                        "(q/k norm+rope and KV write in the decode attention), stages:N (its key-loop depth); "
-                        "combined with +")
+                        "(q/k norm+rope and KV write in the decode attention), stages:N (its key-loop depth), "
+                        "down:P / o:P (that projection as P partial sums the next norm adds); combined with +")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.no_fused_norm_rope:

@@ -22,11 +22,13 @@ MAX_HIDDEN = 8192  # one row per program, held in registers: BLOCK = next power 
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, scale_ptr, normed_ptr, sum_ptr, x_stride, res_stride, hidden, eps,
-                         BLOCK: tl.constexpr, SCALE: tl.constexpr):
+                         part_stride, BLOCK: tl.constexpr, SCALE: tl.constexpr, PARTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    for p in tl.static_range(1, PARTS):  # x: float32 partial sums of one product, added before any rounding
+        x += tl.load(x_ptr + p * part_stride + row * x_stride + offs, mask=mask, other=0.0)
     if SCALE:
         x *= tl.load(scale_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
@@ -43,24 +45,34 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """x, residual ``[..., H]`` (same shape and dtype), weight ``[H]`` -> ``(normed, new_residual)``, both
     ``[..., H]`` contiguous: ``new_residual = x + residual``, ``normed = F.rms_norm(new_residual, (H,),
     weight, eps)``. ``scale`` ``[H]``: x is multiplied by it first, in float32 (a layer scale; the sum is
-    then rounded once, where torch rounds the product too)."""
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    then rounded once, where torch rounds the product too). x may also be ``[P, ..., H]`` float32: P partial
+    sums of one product (``layers.linear_parts``), summed here with the residual and rounded once, so the
+    product needs no reduce kernel of its own."""
+    parts = x.shape[0] if x.dim() == residual.dim() + 1 else 1
+    if parts > 1 and (x.shape[1:] != residual.shape or x.dtype != torch.float32 or scale is not None):
+        raise ValueError(f"partial sums {tuple(x.shape)} {x.dtype} must be float32 [P, *{tuple(residual.shape)}], "
+                         "without a scale")
+    if parts == 1 and (x.dim() != residual.dim() or x.shape != residual.shape or x.dtype != residual.dtype):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
                          "must have the same shape and dtype")
+    if x.dim() != residual.dim():
+        x = x.reshape(parts, -1, x.shape[-1])
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN or weight.shape != (hidden,) or (scale is not None and scale.shape != (hidden,)):
         raise ValueError(f"hidden size {hidden} (at most {MAX_HIDDEN}), weight {tuple(weight.shape)} and scale "
                          f"{None if scale is None else tuple(scale.shape)} mismatch")
-    x2, r2 = (t.reshape(-1, hidden) for t in (x, residual))
+    r2 = residual.reshape(-1, hidden)
+    x2 = x if parts > 1 else x.reshape(-1, hidden)
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
-    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rows = x2.shape[0]
+    normed = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    new_residual = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    rows = r2.shape[0]
     if rows == 0:
         return normed, new_residual
     block = triton.next_power_of_2(hidden)
     weight = weight.contiguous()
     _add_rms_norm_kernel[(rows,)](x2, r2, weight, weight if scale is None else scale.contiguous(), normed,
-                                  new_residual, x2.stride(0), r2.stride(0), hidden, eps, BLOCK=block,
-                                  SCALE=scale is not None, num_warps=min(max(block // 256, 1), 16))
+                                  new_residual, x2.stride(-2), r2.stride(0), hidden, eps,
+                                  x2.stride(0) if parts > 1 else 0, BLOCK=block, SCALE=scale is not None,
+                                  PARTS=parts, num_warps=min(max(block // 256, 1), 16))
     return normed, new_residual

@@ -49,6 +49,29 @@ FUSED_DECODE_ATTENTION = True
 # two >= 16) keep the two launches. A switch so benchmarks can compare; ``OMNILOOP_FUSED_QKV_ATTENTION=0`` turns
 # it off for a whole run
 FUSED_QKV_ATTENTION = os.environ.get("OMNILOOP_FUSED_QKV_ATTENTION") != "0"
+# with FUSED_ADD_NORM: the MLP's down projection (DOWN_PARTS) and the attention's output projection (O_PARTS) as
+# P float32 partial sums over slices of K (``linear_parts``: one batched matmul) that the add+RMSNorm kernel after
+# them sums, instead of cuBLAS's split-K matmul and its reduce kernel (103 reduce launches in the 64-row frame,
+# benchmarks/talker-steps.md). 0: off (the default; not measured yet). ``OMNILOOP_DOWN_PARTS=4`` etc. for a run
+DOWN_PARTS = int(os.environ.get("OMNILOOP_DOWN_PARTS", "0"))
+O_PARTS = int(os.environ.get("OMNILOOP_O_PARTS", "0"))
+
+
+def linear_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """``x @ weight.T`` (x ``[..., K]``, weight ``[N, K]``) as ``parts`` float32 partial sums over equal slices of K,
+    ``[parts, ..., N]``, from one batched matmul (CUDA: bf16 inputs, float32 outputs)."""
+    k, n = x.shape[-1], weight.shape[0]
+    if parts < 2 or k % parts or weight.shape[1] != k:
+        raise ValueError(f"{parts} parts of K = {k} (weight {tuple(weight.shape)})")
+    a = x.reshape(-1, parts, k // parts).transpose(0, 1)  # [P, M, K/P]
+    b = weight.view(n, parts, k // parts).permute(1, 2, 0)  # [P, K/P, N]
+    out = torch.bmm(a, b, out_dtype=torch.float32) if x.is_cuda else torch.bmm(a.float(), b.float())
+    return out.view(parts, *x.shape[:-1], n)
+
+
+def _parts_for(linear: nn.Linear, parts: int) -> int:
+    """``parts`` where the projection can be split that way (no bias, K divisible), else 0 (the plain matmul)."""
+    return parts if parts > 1 and linear.bias is None and linear.in_features % parts == 0 else 0
 
 
 class RMSNorm(nn.Module):
@@ -185,15 +208,18 @@ class Attention(nn.Module):
             return out, None, None
         return out[:, :, :self.num_heads], out[:, :, self.num_heads:], self._values(qkv)
 
-    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: StackStep,
+                parts: int = 0) -> torch.Tensor:
         """x ``[B, L, H]``. Writes x's keys at their positions, then attends over keys ``[0, kv_len)`` of each
         row's slot. ``s.slots=None``: row i is slot i, so the cache is read by slicing (a view) instead of
-        gathering (a copy)."""
+        gathering (a copy). ``parts`` > 1: ``o_proj``'s product as float32 partial sums (``linear_parts``)."""
         if self._is_fused_path(s) and FUSED_KV_WRITE:
-            return self.o_proj(self.attend_qkv(self._fused_qkv(x), k_cache, v_cache, s))
-        q, k, v = self._qkv(x, s)
-        self._write_kv(k, v, k_cache, v_cache, s)
-        return self.o_proj(self._attend(q, k, v, k_cache, v_cache, s))
+            out = self.attend_qkv(self._fused_qkv(x), k_cache, v_cache, s)
+        else:
+            q, k, v = self._qkv(x, s)
+            self._write_kv(k, v, k_cache, v_cache, s)
+            out = self._attend(q, k, v, k_cache, v_cache, s)
+        return linear_parts(out, self.o_proj.weight, parts) if parts > 1 else self.o_proj(out)
 
     def _fresh_attention(self, s: StackStep) -> bool:
         """Decode-kernel attention that also normalizes, rotates and stores the new keys (FUSED_QKV_ATTENTION)."""
@@ -295,14 +321,16 @@ class MLP(nn.Module):
         """One ``[gate; up]`` weight (the two become views of it): one matmul and one SiLU-multiply kernel."""
         self.gate_up_weight = fused_weights.fuse([self.gate_proj.weight, self.up_proj.weight])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, parts: int = 0) -> torch.Tensor:
+        """``parts`` > 1: ``down_proj``'s product as float32 partial sums (``linear_parts``)."""
         if self.gate_up_weight is not None and x.is_cuda:
             from omniloop.gpu.kernels.silu_mul import silu_mul
 
             fused_weights.check_fused(self.gate_up_weight, self.gate_proj.weight, self.up_proj.weight)
-
-            return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            act = silu_mul(F.linear(x, self.gate_up_weight))
+        else:
+            act = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return linear_parts(act, self.down_proj.weight, parts) if parts > 1 else self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -326,8 +354,9 @@ class DecoderLayer(nn.Module):
         from omniloop.gpu.kernels.add_rms_norm import add_rms_norm
 
         post = self.post_attention_layernorm
-        h, residual = add_rms_norm(self.self_attn(h, k_cache, v_cache, s), residual, post.weight, post.eps)
-        return add_rms_norm(self.mlp(h), residual, next_norm.weight, next_norm.eps)
+        o_parts, down_parts = _parts_for(self.self_attn.o_proj, O_PARTS), _parts_for(self.mlp.down_proj, DOWN_PARTS)
+        h, residual = add_rms_norm(self.self_attn(h, k_cache, v_cache, s, o_parts), residual, post.weight, post.eps)
+        return add_rms_norm(self.mlp(h, down_parts), residual, next_norm.weight, next_norm.eps)
 
 
 class DecoderStack(nn.Module):
