@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm] [overlap] [codec]
+#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm] [parts] [overlap] [codec]
 #   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
@@ -59,8 +59,16 @@ for part in "${parts[@]}"; do
       done
       python3 tools/bench_codec.py --batches 64 --chunks 8 --steps 10 --profile 64x8 > "$out/codec-profile-$commit.txt" 2>&1
       grep "GPU kernel" "$out/codec-profile-$commit.txt" ;;
+    parts)  # the prepared partial-sums projections (layers.DOWN_PARTS / O_PARTS): which matmuls are split-K, the
+      # batched partial products against them, then the frame at 64 rows with each projection split
+      python3 tools/bench_gemm.py --m 64 --kernels --parts 2 4 --out "$out/gemm-parts-$commit.json" 2>&1 \
+        | grep -o '"name": "[^"]*"\|"us": [0-9.]*\|"parts[0-9]_us": [0-9.]*\|splitKreduce' | paste -sd' ' \
+        | sed 's/"name"/\n&/g'
+      echo
+      OMNILOOP_FUSED_VARIANTS=${OMNILOOP_FUSED_VARIANTS:-attention,attention+down:2,attention+down:4,attention+o:2,attention+o:4,attention+down:4+o:4} \
+        bash "$0" fused ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --kernels --parts 2 4 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, overlap, codec)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, parts, overlap, codec)"; exit 2 ;;
   esac
 done
