@@ -8,7 +8,8 @@ frames`` ms, rows and frames rounded up to the captured buckets). Both stages sh
 Clients are the bench's: closed loop, ``--concurrency`` of them, ``--num-requests`` in all, each request
 ``--max-frames`` frames; playback starts at a request's first audio and any gap over 1 ms is an underrun.
 
-    python tools/sim_codec.py --set urgent_s=0.15 --set join_fraction=0.6
+    python tools/sim_codec.py                                  # the CUDA profile's codec settings
+    python tools/sim_codec.py --set urgent_s=0.4 --set join_fraction=0.6
 
 What it is for: the number of codec steps and replays a policy needs and what it does to first audio and
 underruns, in seconds of simulated time. Its absolute audio-s/s is a model's, not a measurement.
@@ -25,6 +26,7 @@ import numpy as np
 
 from omniloop.gpu.cuda_graphs import batch_buckets, pick
 from omniloop.models.qwen3_tts.speech_stream import FRAME_BUCKETS
+from omniloop.profile import load_profile
 from omniloop.scheduler.codec import CodecConfig, CodecScheduler
 from omniloop.scheduler.policy import FRAME_S
 from omniloop.transport.messages import Chunk, Finish
@@ -178,6 +180,17 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
                 codec_steps=codec_steps, codec_replays=codec_replays)
 
 
+def profile_codec_config(name: str) -> CodecConfig:
+    """The codec scheduler's settings as ``name``'s CUDA overlay gives them to the stage (``stage_codec``)."""
+    profile = load_profile(name, platform="cuda")
+    stage = next(s for s in profile.stages if s.name == "codec")
+    c = profile.chunking
+    frames = max(c.frames, c.initial_frames)
+    return CodecConfig(max_num_seqs=stage.max_num_seqs, max_frames_per_step=max(stage.max_num_tokens, frames),
+                       initial_frames=c.initial_frames, frames=frames, urgent_s=c.urgent_s,
+                       join_fraction=c.join_fraction)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=64)
@@ -185,8 +198,9 @@ def main() -> None:
     ap.add_argument("--max-frames", type=int, default=100)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a CodecConfig field (urgent_s, join_fraction, initial_frames, frames) or a Costs field")
+    ap.add_argument("--profile", default="qwen3_tts", help="whose CUDA codec stage and chunking to start from")
     args = ap.parse_args()
-    cfg = CodecConfig(max_num_seqs=64, max_frames_per_step=512, initial_frames=2, frames=8)
+    cfg = profile_codec_config(args.profile)
     costs = Costs()
     for item in args.set:
         key, value = item.split("=", 1)
