@@ -22,6 +22,7 @@ import json
 import torch
 
 from omniloop.models.qwen3_tts.config import load_tts_config
+from omniloop.models.qwen3_tts.layers import linear_parts
 from omniloop.models.qwen3_tts.tiny import ensure_tiny_checkpoint
 
 COPY_BYTES_PER_S = 4.26e12
@@ -54,15 +55,8 @@ def floor_us(m: int, n: int, k: int, elem: int = 2) -> float:
 
 def linear(x: torch.Tensor, w: torch.Tensor, parts: int = 1) -> torch.Tensor:
     """``F.linear(x, w)``; with ``parts`` > 1, the product as ``parts`` float32 partial sums over slices of K
-    (``[parts, m, n]``, one batched matmul): what a norm kernel after the matmul could sum itself, in place of
-    cuBLAS's split-K reduce kernel."""
-    if parts == 1:
-        return torch.nn.functional.linear(x, w)
-    m, k = x.shape
-    n = w.shape[0]
-    a = x.view(m, parts, k // parts).transpose(0, 1)
-    b = w.view(n, parts, k // parts).permute(1, 2, 0)
-    return torch.bmm(a, b, out_dtype=torch.float32)
+    (``layers.linear_parts``: what a norm kernel after the matmul sums, in place of cuBLAS's split-K reduce)."""
+    return torch.nn.functional.linear(x, w) if parts == 1 else linear_parts(x, w, parts)
 
 
 def kernels_of(m: int, n: int, k: int, parts: int = 1) -> list[str]:

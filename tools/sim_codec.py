@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -40,6 +40,7 @@ class Costs:
     prefill_ms: float = 1.27  # per admitted ~220-token prompt (an 18 x 218 plan: 27.9 ms incl. its frame)
     prompt_tokens: int = 220
     token_budget: int = 4096
+    talker_seats: int = 64  # the talker's max_num_seqs
     replay_a: float = 1.83  # codec replay ms = a + b * rows + c * rows * frames (fit to 64/16 x 1/2/8, 33d1196)
     replay_b: float = 0.0271
     replay_c: float = 0.0179
@@ -55,16 +56,6 @@ class Req:
     play_start: float = 0.0
     gap_s: float = 0.0
     done: float | None = None
-
-
-@dataclass
-class Stream:
-    """One GPU stream: work items (remaining ms, callback) run in order."""
-
-    items: deque = field(default_factory=deque)
-
-    def busy(self) -> bool:
-        return bool(self.items)
 
 
 def codec_cost(plan, costs: Costs, rows_buckets: tuple[int, ...]) -> tuple[float, int]:
@@ -88,12 +79,13 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
     now = [0.0]
     sched = CodecScheduler(cfg, clock=lambda: now[0])
     rows_buckets = batch_buckets(cfg.max_num_seqs)
-    talker, codec = Stream(), Stream()
+    # one GPU stream each: its steps in flight as [remaining ms, callback], run in order
+    talker: deque[list] = deque()
+    codec: deque[list] = deque()
     reqs: dict[int, Req] = {}
     waiting: deque[int] = deque()
     active: list[int] = []  # prefilled, still producing frames
     submitted = 0
-    talker_in_flight = codec_in_flight = 0
     codec_steps = codec_replays = 0
 
     def submit_new() -> None:
@@ -107,8 +99,6 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
         submit_new()
 
     def on_talker(rows: list[int], finals: set[int]) -> None:
-        nonlocal talker_in_flight
-        talker_in_flight -= 1
         for rid in rows:
             final = rid in finals  # decided when the plan was made: a later plan in flight has counted on
             code = np.zeros((1, cfg.num_codebooks), dtype=np.int64)
@@ -116,9 +106,8 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
                                          stage="talker"), {"codes": code})
 
     def plan_talker() -> None:
-        nonlocal talker_in_flight
         news, tokens = [], 0
-        while waiting and len(active) + len(news) < 64 and tokens + costs.prompt_tokens <= costs.token_budget:
+        while waiting and len(active) + len(news) < costs.talker_seats and tokens + costs.prompt_tokens <= costs.token_budget:
             news.append(waiting.popleft())
             tokens += costs.prompt_tokens
         rows = active + news
@@ -129,12 +118,9 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
         active[:] = [rid for rid in rows if reqs[rid].frames < max_frames]
         finals = {rid for rid in rows if reqs[rid].frames >= max_frames}
         ms = costs.prefill_ms * len(news) + costs.frame_ms
-        talker.items.append([ms, lambda rows=list(rows), finals=finals: on_talker(rows, finals)])
-        talker_in_flight += 1
+        talker.append([ms, lambda rows=list(rows), finals=finals: on_talker(rows, finals)])
 
     def on_codec(plan) -> None:
-        nonlocal codec_in_flight
-        codec_in_flight -= 1
         for seq in plan.seqs:  # the step's PCM reaches every client at once, when the step ends
             req = reqs[int(seq.req_id)]
             if req.first_audio is None:
@@ -149,24 +135,23 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
                 submit_new()
 
     while any(r.done is None for r in reqs.values()):
-        while talker_in_flight < in_flight and (active or waiting):
+        while len(talker) < in_flight and (active or waiting):
             plan_talker()
-        while codec_in_flight < in_flight:
+        while len(codec) < in_flight:
             plan = sched.schedule()
             if plan is None:
                 break
             ms, replays = codec_cost(plan, costs, rows_buckets)
             codec_steps += 1
             codec_replays += replays
-            codec.items.append([ms, lambda plan=plan: on_codec(plan)])
-            codec_in_flight += 1
-        share = 0.5 if talker.busy() and codec.busy() else 1.0
+            codec.append([ms, lambda plan=plan: on_codec(plan)])
+        share = 0.5 if talker and codec else 1.0
         now[0] += DT
         for stream in (talker, codec):
-            if stream.items:
-                stream.items[0][0] -= DT * 1e3 * share
-                if stream.items[0][0] <= 0:
-                    stream.items.popleft()[1]()
+            if stream:
+                stream[0][0] -= DT * 1e3 * share
+                if stream[0][0] <= 0:
+                    stream.popleft()[1]()
         if now[0] > 60:
             raise RuntimeError("simulation did not finish in 60 s")
     done = list(reqs.values())

@@ -55,14 +55,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if parts == 1 and (x.dim() != residual.dim() or x.shape != residual.shape or x.dtype != residual.dtype):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} {residual.dtype} "
                          "must have the same shape and dtype")
-    if x.dim() != residual.dim():
-        x = x.reshape(parts, -1, x.shape[-1])
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN or weight.shape != (hidden,) or (scale is not None and scale.shape != (hidden,)):
         raise ValueError(f"hidden size {hidden} (at most {MAX_HIDDEN}), weight {tuple(weight.shape)} and scale "
                          f"{None if scale is None else tuple(scale.shape)} mismatch")
     r2 = residual.reshape(-1, hidden)
-    x2 = x if parts > 1 else x.reshape(-1, hidden)
+    x2 = x.reshape(parts, -1, hidden) if parts > 1 else x.reshape(-1, hidden)
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     normed = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     new_residual = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
