@@ -26,6 +26,7 @@ import numpy as np
 
 from omniloop.gpu.cuda_graphs import batch_buckets, pick
 from omniloop.models.qwen3_tts.speech_stream import FRAME_BUCKETS
+from omniloop.models.qwen3_tts.stage_codec import scheduler_config
 from omniloop.profile import load_profile
 from omniloop.scheduler.codec import CodecConfig, CodecScheduler
 from omniloop.scheduler.policy import FRAME_S
@@ -166,14 +167,9 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
 
 
 def profile_codec_config(name: str) -> CodecConfig:
-    """The codec scheduler's settings as ``name``'s CUDA overlay gives them to the stage (``stage_codec``)."""
+    """The codec scheduler's settings as ``name``'s CUDA overlay gives them to the stage."""
     profile = load_profile(name, platform="cuda")
-    stage = next(s for s in profile.stages if s.name == "codec")
-    c = profile.chunking
-    frames = max(c.frames, c.initial_frames)
-    return CodecConfig(max_num_seqs=stage.max_num_seqs, max_frames_per_step=max(stage.max_num_tokens, frames),
-                       initial_frames=c.initial_frames, frames=frames, urgent_s=c.urgent_s,
-                       join_fraction=c.join_fraction)
+    return scheduler_config(next(s for s in profile.stages if s.name == "codec"), profile.chunking)
 
 
 def main() -> None:

@@ -132,18 +132,19 @@ def build_codec(stage: Any, profile: Any) -> Worker:
     # on CUDA the pool is full-size from the start: growing it would drop the captured graphs
     streams = CodecStreams(tokenizer.decoder, max_streams=stage.max_num_seqs,
                            initial_slots=stage.max_num_seqs if is_cuda else min(8, stage.max_num_seqs))
-    chunking = profile.chunking
-    frames = max(chunking.frames, chunking.initial_frames)
+    config = scheduler_config(stage, profile.chunking)
     if budget is not None:
         budget.check(0)  # weights and decoder state alone
     if is_cuda and warmup_frames > 0:
-        num = streams.warmup(warmup_frames, max_frames=frames, check=budget.check if budget else None)
+        num = streams.warmup(warmup_frames, max_frames=config.frames, check=budget.check if budget else None)
         log.info("codec_graphs_captured", stage=stage.name, num_graphs=num,
                  reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
-    scheduler = CodecScheduler(CodecConfig(
-        stage=stage.name, max_num_seqs=stage.max_num_seqs,
-        max_frames_per_step=max(stage.max_num_tokens, frames),
-        initial_frames=chunking.initial_frames, frames=frames, urgent_s=chunking.urgent_s,
-        join_fraction=chunking.join_fraction,
-    ))
-    return Worker(scheduler, CodecRunner(streams, name=stage.name))
+    return Worker(CodecScheduler(config), CodecRunner(streams, name=stage.name))
+
+
+def scheduler_config(stage: Any, chunking: Any) -> CodecConfig:
+    """The codec scheduler's settings from a stage and the profile's chunking (``tools/sim_codec.py`` too)."""
+    frames = max(chunking.frames, chunking.initial_frames)
+    return CodecConfig(stage=stage.name, max_num_seqs=stage.max_num_seqs,
+                       max_frames_per_step=max(stage.max_num_tokens, frames), initial_frames=chunking.initial_frames,
+                       frames=frames, urgent_s=chunking.urgent_s, join_fraction=chunking.join_fraction)
