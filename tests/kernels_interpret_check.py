@@ -616,11 +616,16 @@ def check_fused_stack() -> None:
     for dtype, rel in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
         stack.to(dtype)
         cache = torch.zeros(cfg.num_layers, b, cfg.num_kv_heads, 9, cfg.head_dim, dtype=dtype)
-        with torch.no_grad():
-            want = stack(x.to(dtype), 0, cache.clone(), cache.clone(), None, n)
-            k_cache, v_cache = cache.clone(), cache.clone()
-            step = stack._step(x.to(dtype), 0, k_cache, None, n)
-            got = stack._forward_fused(x.to(dtype), k_cache, v_cache, step)
+        saved = layers.DOWN_PARTS, layers.O_PARTS
+        layers.DOWN_PARTS = layers.O_PARTS = 0  # the plain projections first
+        try:
+            with torch.no_grad():
+                want = stack(x.to(dtype), 0, cache.clone(), cache.clone(), None, n)
+                k_cache, v_cache = cache.clone(), cache.clone()
+                step = stack._step(x.to(dtype), 0, k_cache, None, n)
+                got = stack._forward_fused(x.to(dtype), k_cache, v_cache, step)
+        finally:
+            layers.DOWN_PARTS, layers.O_PARTS = saved
         err = (got.float() - want.float()).norm() / want.float().norm()
         assert got.shape == want.shape and err < rel, (dtype, float(err))
         # the output and down projections as float32 partial sums that the norms sum (DOWN_PARTS, O_PARTS)

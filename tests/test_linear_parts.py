@@ -21,14 +21,17 @@ def test_partial_sums_add_up_to_the_product() -> None:
         torch.testing.assert_close(out[1].double(), x[..., k:2 * k] @ w[:, k:2 * k].T, rtol=1e-5, atol=1e-5)
 
 
-def test_bad_splits_are_refused_and_biased_or_indivisible_projections_keep_the_plain_matmul() -> None:
+def test_bad_splits_are_refused_and_biased_indivisible_or_long_calls_keep_the_plain_matmul() -> None:
     x, w = torch.randn(3, 48), torch.randn(24, 48)
     for parts in (1, 5):
         with pytest.raises(ValueError, match="parts"):
             layers.linear_parts(x, w, parts)
     with pytest.raises(ValueError, match="parts"):
         layers.linear_parts(x, torch.randn(24, 40), 2)
-    assert layers._parts_for(nn.Linear(48, 24, bias=False), 4) == 4
-    assert layers._parts_for(nn.Linear(48, 24, bias=True), 4) == 0
-    assert layers._parts_for(nn.Linear(50, 24, bias=False), 4) == 0
-    assert layers._parts_for(nn.Linear(48, 24, bias=False), 0) == 0
+    most = layers.PARTS_MAX_TOKENS
+    assert layers._parts_for(nn.Linear(48, 24, bias=False), 4, 64) == 4
+    assert layers._parts_for(nn.Linear(48, 24, bias=False), 4, most) == 4
+    assert layers._parts_for(nn.Linear(48, 24, bias=False), 4, most + 1) == 0  # a prefill: tiles enough
+    assert layers._parts_for(nn.Linear(48, 24, bias=True), 4, 64) == 0
+    assert layers._parts_for(nn.Linear(50, 24, bias=False), 4, 64) == 0
+    assert layers._parts_for(nn.Linear(48, 24, bias=False), 0, 64) == 0

@@ -52,9 +52,13 @@ FUSED_QKV_ATTENTION = os.environ.get("OMNILOOP_FUSED_QKV_ATTENTION") != "0"
 # with FUSED_ADD_NORM: the MLP's down projection (DOWN_PARTS) and the attention's output projection (O_PARTS) as
 # P float32 partial sums over slices of K (``linear_parts``: one batched matmul) that the add+RMSNorm kernel after
 # them sums, instead of cuBLAS's split-K matmul and its reduce kernel (103 reduce launches in the 64-row frame,
-# benchmarks/talker-steps.md). 0: off (the default; not measured yet). ``OMNILOOP_DOWN_PARTS=4`` etc. for a run
-DOWN_PARTS = int(os.environ.get("OMNILOOP_DOWN_PARTS", "0"))
-O_PARTS = int(os.environ.get("OMNILOOP_O_PARTS", "0"))
+# benchmarks/talker-steps.md). H200, 1.7B, 64 rows: frame 5.37 -> 4.98 ms with 4 and 4, pipeline at 64 streams
+# 571-593 -> 627-642 audio-s/s (benchmarks/pipeline.md). Only for calls of at most PARTS_MAX_TOKENS tokens (the
+# decode steps, where cuBLAS splits K for lack of output tiles); a prefill's matmuls have tiles enough and would
+# only write P times the float32 output. 0: off; ``OMNILOOP_DOWN_PARTS=0`` etc. for a run
+DOWN_PARTS = int(os.environ.get("OMNILOOP_DOWN_PARTS", "4"))
+O_PARTS = int(os.environ.get("OMNILOOP_O_PARTS", "4"))
+PARTS_MAX_TOKENS = 256
 
 
 def linear_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -69,9 +73,11 @@ def linear_parts(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Ten
     return out.view(parts, *x.shape[:-1], n)
 
 
-def _parts_for(linear: nn.Linear, parts: int) -> int:
-    """``parts`` where the projection can be split that way (no bias, K divisible), else 0 (the plain matmul)."""
-    return parts if parts > 1 and linear.bias is None and linear.in_features % parts == 0 else 0
+def _parts_for(linear: nn.Linear, parts: int, tokens: int) -> int:
+    """``parts`` where the projection can be split that way (no bias, K divisible) and the call has at most
+    PARTS_MAX_TOKENS tokens, else 0 (the plain matmul)."""
+    split = parts > 1 and tokens <= PARTS_MAX_TOKENS and linear.bias is None and linear.in_features % parts == 0
+    return parts if split else 0
 
 
 class RMSNorm(nn.Module):
@@ -354,7 +360,9 @@ class DecoderLayer(nn.Module):
         from omniloop.gpu.kernels.add_rms_norm import add_rms_norm
 
         post = self.post_attention_layernorm
-        o_parts, down_parts = _parts_for(self.self_attn.o_proj, O_PARTS), _parts_for(self.mlp.down_proj, DOWN_PARTS)
+        tokens = h.numel() // h.shape[-1]
+        o_parts = _parts_for(self.self_attn.o_proj, O_PARTS, tokens)
+        down_parts = _parts_for(self.mlp.down_proj, DOWN_PARTS, tokens)
         h, residual = add_rms_norm(self.self_attn(h, k_cache, v_cache, s, o_parts), residual, post.weight, post.eps)
         return add_rms_norm(self.mlp(h, down_parts), residual, next_norm.weight, next_norm.eps)
 
