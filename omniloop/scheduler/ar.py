@@ -79,6 +79,13 @@ class ArScheduler:
 
     # -- inputs ---------------------------------------------------------------------------------
 
+    def prefetch(self, submits: list[Any]) -> None:
+        """Many arrivals are about to be ``add``-ed: the prepare function's ``prefetch`` (if it has one) may do
+        their common work at once. An error here is no request's: each still gets ``add``, which reports its own."""
+        prefetch = getattr(self._prepare, "prefetch", None)
+        if prefetch is not None:
+            prefetch(submits)
+
     def add(self, req_id: str, submit: Any, arrays: dict[str, Any] | None = None) -> list[Emit]:
         if req_id in self._reqs:  # not raise: an exception here would take the whole actor down
             error = f"duplicate request id {req_id!r}: already in stage {self.config.stage!r}"

@@ -23,7 +23,7 @@ from omniloop.models.qwen3_tts.config import TtsConfig
 from omniloop.models.qwen3_tts.family import resolve_checkpoint
 from omniloop.models.qwen3_tts.generate import tts_input_from_request
 from omniloop.models.qwen3_tts.prompt import Prompt, TtsInput, prompt_length
-from omniloop.models.qwen3_tts.tokenizer import TextTokenizer
+from omniloop.models.qwen3_tts.tokenizer import TextTokenizer, assistant_text, instruct_text, ref_text
 from omniloop.models.qwen3_tts.validate import validate_speech_request
 from omniloop.models.qwen3_tts.voice import VoiceEncoder
 from omniloop.log import get_logger
@@ -74,6 +74,20 @@ class TalkerAdmission:
         self.max_model_len = max_model_len
         self.max_text_chars = max_text_chars
         self.max_ref_seconds = max_ref_seconds
+
+    def prefetch(self, submits: list[Submit]) -> None:
+        """Tokenize the texts of many arrivals at once (``TextTokenizer.warm``) before they are prepared one by
+        one; texts the checks would refuse (not a string, empty, over the length limit) are left to them."""
+        texts: list[str] = []
+        for submit in submits:
+            req = submit.request
+            if not isinstance(req, SpeechRequest):
+                continue
+            for text, template in ((req.text, assistant_text), (req.instructions, instruct_text),
+                                   (req.ref_text, ref_text)):
+                if isinstance(text, str) and text.strip() and len(text) <= self.max_text_chars:
+                    texts.append(template(text))
+        self.tokenizer.warm(texts)
 
     def __call__(self, req_id: str, submit: Submit, arrays: dict[str, Any]) -> ArPrompt:
         req = submit.request

@@ -59,8 +59,13 @@ def _from_vocab_files(model_dir: Path) -> Tokenizer:
 
 
 class TextTokenizer:
+    """The Qwen2 tokenizer with the templates above. ``warm(texts)`` encodes many texts in one ``encode_batch``
+    (Rust threads, without the GIL) and keeps the ids until ``encode`` asks for them: a stage's loop thread
+    tokenizing a wave of 64 arrivals one by one spent ~24 ms on the H200 host before its first plan."""
+
     def __init__(self, tokenizer: Tokenizer, source: str) -> None:
         self.tok = tokenizer
+        self._warm: dict[str, list[int]] = {}  # text -> ids, from the last warm(); taken by encode
         for piece in ("assistant", "\n"):
             if len(self.tok.encode(piece, add_special_tokens=False).ids) != 1:
                 raise ConfigError(f"{source}: {piece!r} is not a single token; the prompt layout needs it")
@@ -73,7 +78,16 @@ class TextTokenizer:
         return cls(tok, str(path if path.exists() else model_dir))
 
     def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor(self.tok.encode(text).ids, dtype=torch.int64)
+        ids = self._warm.pop(text, None)
+        return torch.tensor(self.tok.encode(text).ids if ids is None else ids, dtype=torch.int64)
+
+    def warm(self, texts: list[str]) -> None:
+        """Encode ``texts`` together for the ``encode`` calls that follow; what an earlier call left (texts
+        nobody asked for) is dropped, so this holds one batch at most."""
+        self._warm.clear()
+        distinct = list(dict.fromkeys(texts))
+        if distinct:
+            self._warm = {t: e.ids for t, e in zip(distinct, self.tok.encode_batch(distinct))}
 
     def assistant_ids(self, text: str) -> torch.Tensor:
         return self.encode(assistant_text(text))
