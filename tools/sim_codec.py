@@ -37,7 +37,7 @@ DT = 1e-4  # s, the simulation's tick
 
 @dataclass
 class Costs:
-    frame_ms: float = 5.47  # talker decode frame at 64 rows (H200, 42796df)
+    frame_ms: float = 4.98  # talker decode frame at 64 rows (H200, 2ff1ee9 with the partial sums of 89804cf)
     prefill_ms: float = 1.27  # per admitted ~220-token prompt (an 18 x 218 plan: 27.9 ms incl. its frame)
     prompt_tokens: int = 220
     token_budget: int = 4096
