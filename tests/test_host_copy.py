@@ -28,18 +28,23 @@ class _Fence:
         self.log, self.stream, self.passed = log, stream, False
         log.append(("record", stream))
 
-    def synchronize(self) -> None:
-        self.passed = True
-        self.log.append(("wait", self.stream))
+    def query(self) -> bool:
+        return self.passed
 
 
-def _ring(nbytes: int = 1024, segments: int = 4) -> tuple[PinnedRing, list]:
+def _ring(nbytes: int = 1024, segments: int = 4) -> tuple[PinnedRing, list, list]:
     log: list = []
-    return PinnedRing(nbytes, segments, pin=False, record=lambda stream: _Fence(log, stream)), log
+    fences: list = []
+
+    def record(stream):
+        fences.append(_Fence(log, stream))
+        return fences[-1]
+
+    return PinnedRing(nbytes, segments, pin=False, record=record), log, fences
 
 
 def test_the_ring_stages_each_dtype_and_shape_aligned() -> None:
-    ring, _ = _ring(4096, 4)
+    ring, _, _ = _ring(4096, 4)
     arrays = [np.arange(6, dtype=np.int64).reshape(2, 3), np.array([True, False, True]),
               np.linspace(0, 1, 5, dtype=np.float32), np.arange(7, dtype=np.int32)[::2], np.zeros((0, 4))]
     staged = [ring.stage(a) for a in arrays]
@@ -50,19 +55,23 @@ def test_the_ring_stages_each_dtype_and_shape_aligned() -> None:
     assert ring.stage(np.zeros(1024 // 8 + 1)) is None  # larger than a segment: the caller pins its own
 
 
-def test_a_segment_is_reused_only_after_its_fence() -> None:
-    ring, log = _ring(1024, 4)  # segments of 256 bytes; 200-byte arrays take one each
+def test_a_segment_is_reused_only_after_its_fence_passed_and_the_ring_never_waits() -> None:
+    ring, log, fences = _ring(1024, 4)  # segments of 256 bytes; 200-byte arrays take one each
     first = ring.stage(np.full(25, 7, dtype=np.int64), "s")
     for k in range(3):
         ring.stage(np.full(25, k, dtype=np.int64), "s")
-    assert log == [("record", "s")] * 3 and (first.numpy() == 7).all()  # nothing reused yet
-    again = ring.stage(np.full(25, 9, dtype=np.int64), "s")  # back to segment 0: its fence first
-    assert log[-2:] == [("record", "s"), ("wait", "s")] and ring.num_fence_waits == 1
+    assert log == [("record", "s")] * 3 and (first.numpy() == 7).all()
+    # back to segment 0, whose copies have not run: full, nothing overwritten, no wait
+    assert ring.stage(np.full(25, 9, dtype=np.int64), "s") is None
+    assert ring.num_full == 1 and (first.numpy() == 7).all() and len(fences) == 3
+    fences[0].passed = True
+    again = ring.stage(np.full(25, 9, dtype=np.int64), "s")
     assert again.data_ptr() == first.data_ptr() and (first.numpy() == 9).all()
+    assert len(fences) == 4  # segment 3 closed on the way
 
 
 def test_a_stream_change_closes_the_segment_under_the_old_stream() -> None:
-    ring, log = _ring(1024, 4)
+    ring, log, _ = _ring(1024, 4)
     a = ring.stage(np.ones(2, dtype=np.int64), "s1")
     b = ring.stage(np.ones(2, dtype=np.int64), "s1")
     assert b.data_ptr() - a.data_ptr() == 64 and log == []  # same stream, same segment

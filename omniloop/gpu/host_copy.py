@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-RING_BYTES = 4 << 20  # per thread and device
-RING_SEGMENTS = 16  # a segment is reused only after the copies from it have run (an event per segment)
+RING_BYTES = 16 << 20  # per thread and device
+RING_SEGMENTS = 32  # a segment is reused only after the copies from it have run (an event per segment)
 ALIGN = 64
 
 _local = threading.local()
@@ -27,12 +27,14 @@ _local = threading.local()
 
 class PinnedRing:
     """A pinned host buffer in ``segments`` equal parts, handed out front to back. Leaving a segment records an
-    event after the copies issued from it (on their stream); coming back to it waits for that event, which
-    with 16 segments has passed long before (a step's inputs are a few KB to a few hundred KB). A stream
-    change inside a segment closes the segment, so one event always covers every copy from it.
+    event after the copies issued from it (on their stream); the ring moves on to a segment only once that
+    segment's event has passed, and never waits for it: while the next segment is still in use the ring is
+    full and ``stage`` returns None (the caller pins a block of its own). A step's inputs are a few KB to a few
+    hundred KB, so with 32 segments of 512 KB the ring is full only if the GPU is far behind. A stream change
+    inside a segment closes the segment, so one event always covers every copy from it.
 
     ``pin`` and ``record`` are for tests on machines without CUDA (``record(stream)`` returns an object with
-    ``synchronize()``)."""
+    ``query()``, True once the copies before it have run)."""
 
     def __init__(self, nbytes: int = RING_BYTES, segments: int = RING_SEGMENTS, *, pin: bool = True,
                  record: Callable[[Any], Any] | None = None) -> None:
@@ -46,30 +48,35 @@ class PinnedRing:
         self._fences: list[Any] = [None] * segments
         self._segment, self._offset = 0, 0
         self._stream: Any = None  # the stream the current segment's copies went to
-        self.num_fence_waits = 0  # segments reused after waiting on their event (tests, diagnostics)
+        self.num_full = 0  # arrays refused because the next segment was still in use (tests, diagnostics)
 
     def stage(self, array: np.ndarray, stream: Any = None) -> torch.Tensor | None:
         """A tensor in the ring holding a copy of ``array`` (its dtype and shape), for copies on ``stream``
-        issued before the next ``stage`` call on another stream; None if it does not fit in a segment."""
+        issued before the next ``stage`` call on another stream; None if it does not fit in a segment or the
+        ring is full."""
         nbytes = array.nbytes
         if nbytes > self.segment_bytes:
             return None
         if self._offset and (self._offset + nbytes > self.segment_bytes or stream != self._stream):
-            self._next_segment()
+            if not self._next_segment():
+                self.num_full += 1
+                return None
         self._stream = stream
         start = self._segment * self.segment_bytes + self._offset
         self._offset += -(-nbytes // ALIGN) * ALIGN
         self.host[start:start + nbytes].view(array.dtype).reshape(array.shape)[...] = array
         return self.buf[start:start + nbytes].view(_torch_dtype(array.dtype)).view(array.shape)
 
-    def _next_segment(self) -> None:
+    def _next_segment(self) -> bool:
+        """Close the current segment and open the next one, if the copies from that one's last use have run."""
+        following = (self._segment + 1) % self.num_segments
+        fence = self._fences[following]
+        if fence is not None and not fence.query():
+            return False
         self._fences[self._segment] = self._record(self._stream)
-        self._segment = (self._segment + 1) % self.num_segments
-        self._offset = 0
-        fence, self._fences[self._segment] = self._fences[self._segment], None
-        if fence is not None:
-            self.num_fence_waits += 1
-            fence.synchronize()
+        self._fences[following] = None
+        self._segment, self._offset = following, 0
+        return True
 
 
 def _record_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
