@@ -29,11 +29,13 @@ from omniloop.errors import FrameError, RequestError
 from omniloop.log import get_logger
 from omniloop.models.registry import ModelInfo, info_for, validator_for
 from omniloop.profile import Profile
+from omniloop.transport import batching
 from omniloop.transport.channel import Delivery, Inbox, Outbox
 from omniloop.transport.messages import (
     Abort,
     ChatRequest,
     Chunk,
+    Chunks,
     Finish,
     Ready,
     Reason,
@@ -239,7 +241,15 @@ class Engine:
                 log.exception("frontend_message_failed", type=type(msg).__name__)
 
     def _handle(self, msg: Any, arrays: dict[str, np.ndarray]) -> None:
-        if isinstance(msg, Chunk):
+        if isinstance(msg, Chunks):  # a last stage's step: its requests' chunks in one message
+            try:
+                chunks = list(batching.unpack(msg, arrays))
+            except FrameError as exc:  # checked whole: no chunk of it was delivered, every request it names fails
+                self._on_bad_frame(FrameError(str(exc), req_ids=msg.req_ids))
+                return
+            for chunk, chunk_arrays in chunks:
+                self._handle(chunk, chunk_arrays)
+        elif isinstance(msg, Chunk):
             req_id = self._req_id_of.get(msg.req_id)
             if req_id is None:  # late output of an aborted or failed request
                 return
@@ -273,11 +283,13 @@ class Engine:
             log.warning("frontend_unexpected_message", type=type(msg).__name__)
 
     def _on_bad_frame(self, exc: FrameError) -> None:
-        log.warning("frontend_bad_frame", error=str(exc), req_id=exc.req_id)
-        req_id = self._req_id_of.get(exc.req_id) if exc.req_id is not None else None
-        if req_id is not None:
-            self._end(req_id, Finish(req_id, Reason.ERROR.value, error=f"undecodable output: {exc}",
-                                     stage="frontend"), broadcast=True)
+        """Every request the damaged message named (one, or each of a ``Chunks`` batch's) ends with an error."""
+        log.warning("frontend_bad_frame", error=str(exc), req_ids=exc.req_ids)
+        for named in exc.req_ids:
+            req_id = self._req_id_of.get(named)
+            if req_id is not None:
+                self._end(req_id, Finish(req_id, Reason.ERROR.value, error=f"undecodable output: {exc}",
+                                         stage="frontend"), broadcast=True)
 
     def _on_stage_death(self, stage: str, exitcode: int | None) -> None:
         self._is_ready = False

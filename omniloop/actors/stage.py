@@ -307,16 +307,17 @@ class StageActor:
             self._fatal(exc)
 
     def _send(self, emits: list[Emit]) -> None:
-        """Emits in order; to a next stage, runs of plain chunks of one layout go as one ``Chunks`` message
-        (``transport.batching``), each run sent before whatever follows it."""
+        """Emits in order; runs of plain chunks of one layout to one peer (the next stage, or the frontend from
+        the last stage) go as one ``Chunks`` message (``transport.batching``), each run sent before whatever
+        follows it."""
         run: list[tuple[Any, dict[str, Any]]] = []
-        run_layout = None
+        run_key = None
         for emit in emits:
-            shape = batching.layout(emit.msg, emit.arrays) if emit.dest == "next" and self.has_next_stage else None
-            if shape is None or shape != run_layout:  # the run ends here: it goes before this emit
-                self._send_run(run)
-                run, run_layout = [], shape
-            if shape is not None:
+            key = self._run_key(emit)
+            if key is None or key != run_key:  # the run ends here: it goes before this emit
+                self._send_run(run_key, run)
+                run, run_key = [], key
+            if key is not None:
                 run.append((emit.msg, emit.arrays))
                 continue
             if emit.dest == "next":
@@ -327,13 +328,24 @@ class StageActor:
                     self._to_next.send(Abort(emit.msg.req_id, emit.msg.reason))
             else:
                 raise ValueError(f"stage {self.stage.name!r}: emit to unknown destination {emit.dest!r}")
-        self._send_run(run)
+        self._send_run(run_key, run)
 
-    def _send_run(self, run: list[tuple[Any, dict[str, Any]]]) -> None:
-        if len(run) == 1:
-            self._to_next.send(*run[0])
-        elif run:
-            self._to_next.send(*batching.pack(run))
+    def _run_key(self, emit: Emit) -> tuple | None:
+        """(peer, layout) of a chunk that may ride in a ``Chunks`` run; None: it travels alone. A last stage's
+        "next" means the frontend too (``Engine`` splits a ``Chunks`` as a stage does)."""
+        dest = emit.dest
+        if dest == "next" and not self.has_next_stage:
+            dest = "frontend"
+        if dest not in ("next", "frontend"):
+            return None
+        shape = batching.layout(emit.msg, emit.arrays)
+        return None if shape is None else (dest, shape)
+
+    def _send_run(self, key: tuple | None, run: list[tuple[Any, dict[str, Any]]]) -> None:
+        if not run:
+            return
+        outbox = self._to_next if key[0] == "next" else self._to_frontend
+        outbox.send(*(run[0] if len(run) == 1 else batching.pack(run)))
 
     def stats(self) -> Stats:
         sched = self.scheduler
