@@ -35,6 +35,8 @@ def test_warmed_ids_are_the_one_by_one_ids_and_one_batch_is_kept(layout) -> None
     for t in TEXTS:
         assert warmed.encode(assistant_text(t)).tolist() == want[t]
     assert not warmed._warm  # each taken by its encode (a repeated text then encodes afresh)
+    warmed.start_threads()
+    assert not warmed._warm  # the pool started, nothing kept
     warmed.warm(["left over"])
     warmed.warm([assistant_text("next")])
     assert list(warmed._warm) == [assistant_text("next")]  # the earlier batch's leftover is gone

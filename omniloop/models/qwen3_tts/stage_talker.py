@@ -155,8 +155,9 @@ def build_talker(stage: Any, profile: Any) -> Worker:
     if torch.device(stage.device).type == "cuda":
         log.info("talker_ready_on_gpu", stage=stage.name, max_num_seqs=stage.max_num_seqs, max_model_len=max_model_len,
                  reserved_gib=round(torch.cuda.memory_reserved(stage.device) / 2**30, 2))
-    admission = TalkerAdmission(cfg, TextTokenizer.from_dir(ckpt.path), voice, max_model_len,
-                                profile.max_text_chars, max_ref_seconds)
+    tokenizer = TextTokenizer.from_dir(ckpt.path)
+    tokenizer.start_threads()
+    admission = TalkerAdmission(cfg, tokenizer, voice, max_model_len, profile.max_text_chars, max_ref_seconds)
     blocks_per_seq = math.ceil(max_model_len / BLOCK_SIZE)
     scheduler = ArScheduler(
         ArConfig(stage=stage.name, max_num_seqs=stage.max_num_seqs, max_num_tokens=stage.max_num_tokens,

@@ -89,6 +89,12 @@ class TextTokenizer:
         if distinct:
             self._warm = {t: e.ids for t, e in zip(distinct, self.tok.encode_batch(distinct))}
 
+    def start_threads(self) -> None:
+        """Run one batch through ``encode_batch`` and drop it: its Rust thread pool starts here, not in the
+        first burst of requests (a one-stream warm-up never batches)."""
+        self.warm([assistant_text("warm"), assistant_text("up")])
+        self._warm.clear()
+
     def assistant_ids(self, text: str) -> torch.Tensor:
         return self.encode(assistant_text(text))
 
