@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The standard measurement sequence on a lent GPU machine (no .git, no package registry), in one command:
-#   bash tools/device_check.sh [tests] [bench] [trace] [talker] [fused] [prefill] [gemm] [parts] [overlap] [codec]
+#   bash tools/device_check.sh [tests] [bench] [trace] [gil] [talker] [fused] [prefill] [gemm] [parts] [overlap] [codec]
 #   (default: tests bench)
 # Run from the repository root with the wheels of ../shared/tools/device-wheels.sh carried in .whl/; results
 # land in $OUT (the device tool's output folder; ./out here otherwise). Set OMNILOOP_COMMIT to the commit
@@ -27,10 +27,19 @@ for part in "${parts[@]}"; do
         --out "$out/pipeline-$commit.json" 2>&1 | grep '^{"concurrency"'
       python3 -c 'import json, sys; [print(json.dumps(s)) for s in json.load(open(sys.argv[1])).get("summary", [])]' \
         "$out/pipeline-$commit.json" ;;
-    trace)
+    trace)  # then the first burst's steps and first audios (tools/wave_timeline.py)
       python3 -m omniloop trace qwen3_tts --model builtin:1.7b --concurrency 64 --num-requests 128 --max-frames 100 \
         --text-words 40 --out "$out/trace-$commit.json" > "$out/trace-$commit.txt" 2>&1
-      grep '^{"concurrency"' "$out/trace-$commit.txt" ;;
+      grep '^{"concurrency"' "$out/trace-$commit.txt"
+      python3 tools/wave_timeline.py "$out/trace-$commit.json" --burst 0 | head -40
+      gzip -f "$out/trace-$commit.json" ;;
+    gil)  # who holds the GIL while serving 64 streams (py-spy from the carried wheels), per loop thread
+      "$site/bin/py-spy" record --gil --threads --rate 1000 --nonblocking --format raw -o "$out/gil-$commit.raw" -- \
+        python3 -m omniloop bench qwen3_tts --model builtin:1.7b --concurrency 64 --max-frames 100 --repeat 2 \
+        --out "$out/gil-bench-$commit.json" 2>&1 | grep '^{"concurrency"' | cut -c1-200
+      python3 tools/gil_profile.py "$out/gil-$commit.raw" --thread talker --thread codec --thread MainThread \
+        --within _on_step_done _launch _on_inbox _drain --top 15 > "$out/gil-$commit.txt"
+      head -60 "$out/gil-$commit.txt"; gzip -f "$out/gil-$commit.raw" ;;
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
     fused)  # the frame at 64 rows, one process: decode attention with / without the q/k norm+rope and KV write,
@@ -69,6 +78,6 @@ for part in "${parts[@]}"; do
         bash "$0" fused ;;
     gemm)
       python3 tools/bench_gemm.py --m 1 64 --kernels --parts 2 4 --out "$out/gemm-$commit.json" 2>&1 | grep -E 'per_frame|"m": 64' ;;
-    *) echo "unknown part $part (tests, bench, trace, talker, fused, prefill, gemm, parts, overlap, codec)"; exit 2 ;;
+    *) echo "unknown part $part (tests, bench, trace, gil, talker, fused, prefill, gemm, parts, overlap, codec)"; exit 2 ;;
   esac
 done

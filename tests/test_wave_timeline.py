@@ -1,0 +1,30 @@
+"""tools/wave_timeline.py on a synthetic trace: bursts are found by arrival gaps, and a burst's timeline holds the
+steps between its first arrival and its last first audio, and only its own requests' first audios."""
+
+from __future__ import annotations
+
+from tools.wave_timeline import bursts, timeline
+
+
+def _trace() -> list[dict]:
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "talker"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "codec"}}]
+    warm = [{"ph": "b", "name": "request", "id": "w", "ts": 0.0}, {"ph": "n", "name": "first_audio", "id": "w", "ts": 20e3}]
+    burst = [{"ph": "b", "name": "request", "id": f"r{i}", "ts": 1e6 + i * 100.0} for i in range(20)]
+    audio = [{"ph": "n", "name": "first_audio", "id": f"r{i}", "ts": 1e6 + 60e3 + i * 1e3} for i in range(19)]
+    steps = [{"ph": "X", "name": "step", "pid": 1, "ts": 1e6 + 5e3, "dur": 30e3,
+              "args": {"seqs": 20, "new": 20, "num_tokens": 4000, "schedule_ms": 0.2, "submit_ms": 9.5}},
+             {"ph": "X", "name": "step", "pid": 2, "ts": 1e6 + 40e3, "dur": 10e3, "args": {"seqs": 20, "num_frames": 20}},
+             {"ph": "X", "name": "step", "pid": 1, "ts": 2e6, "dur": 5e3, "args": {}}]  # after the burst's last audio
+    return meta + warm + burst + audio + steps
+
+
+def test_a_burst_and_its_steps_and_first_audios() -> None:
+    events = _trace()
+    found = bursts(events, min_size=16)
+    assert len(found) == 1 and len(found[0]) == 20  # the lone warm-up request is no burst
+    t = timeline(events, found[0])
+    assert t["requests"] == 20 and t["missing_first_audio"] == 1 and len(t["first_audio_ms"]) == 19
+    assert t["first_audio_ms"][0] == 60.0 and t["arrivals_ms"] == 1.9
+    assert [(s["stage"], s["start_ms"], s["new"], s["size"], s["submit_ms"]) for s in t["steps"]] == [
+        ("talker", 5.0, 20, 4000, 9.5), ("codec", 40.0, None, 20, None)]
