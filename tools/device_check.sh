@@ -67,7 +67,10 @@ for part in "${parts[@]}"; do
         python3 tools/bench_codec.py --batches 64 16 --chunks 1 2 4 8 --steps 10 $flags 2>&1 | grep "ms/step"
       done
       python3 tools/bench_codec.py --batches 64 --chunks 8 --steps 10 --profile 64x8 > "$out/codec-profile-$commit.txt" 2>&1
-      grep "GPU kernel" "$out/codec-profile-$commit.txt" ;;
+      grep "GPU kernel" "$out/codec-profile-$commit.txt"
+      # a 64 x 1 step: what the replay's fixed part (~1.8 ms by the fit in tools/sim_codec.py) is made of
+      python3 tools/bench_codec.py --batches 64 --chunks 1 --steps 10 --profile 64x1 > "$out/codec-profile-64x1-$commit.txt" 2>&1
+      grep "GPU kernel" "$out/codec-profile-64x1-$commit.txt" ;;
     parts)  # the prepared partial-sums projections (layers.DOWN_PARTS / O_PARTS): which matmuls are split-K, the
       # batched partial products against them, then the frame at 64 rows with each projection split
       python3 tools/bench_gemm.py --m 64 --kernels --parts 2 4 --out "$out/gemm-parts-$commit.json" 2>&1 \
