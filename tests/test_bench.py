@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from omniloop.profile import load_profile
@@ -66,3 +68,20 @@ def test_gpu_state_is_none_without_a_usable_nvidia_smi(tmp_path, monkeypatch):
     assert gpu_state() is None
     _fake_nvidia_smi(tmp_path, monkeypatch, "1980, 3201\\n")  # fields missing: not guessed at
     assert gpu_state() is None
+
+
+def test_tree_digest_follows_the_code_and_nothing_else(tmp_path):
+    import shutil
+
+    from omniloop.serve.bench import tree_digest
+
+    repo = Path(__file__).resolve().parents[1]
+    for part in ("omniloop", "profiles"):
+        shutil.copytree(repo / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    here = tree_digest(repo)
+    assert tree_digest(tmp_path) == here and len(here) == 12  # a copy of the tree: the same digest
+    (tmp_path / "omniloop" / "notes.txt").write_text("not code")
+    assert tree_digest(tmp_path) == here
+    layers = tmp_path / "omniloop" / "models" / "qwen3_tts" / "layers.py"
+    layers.write_text(layers.read_text() + "\n# changed\n")
+    assert tree_digest(tmp_path) != here

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -195,6 +197,17 @@ def _plain(value: object) -> object:
         return str(value)
 
 
+def tree_digest(root: str | Path) -> str:
+    """A short sha256 of the code that ran: every ``omniloop/**/*.py`` and ``profiles/*.yaml`` under ``root`` (paths
+    and bytes). Unlike the commit it cannot be stale on a copy of the tree; to match one, run this on a checkout
+    (``git archive <sha> omniloop profiles | tar -x -C DIR``)."""
+    root = Path(root)
+    h = hashlib.sha256()
+    for path in sorted([*root.glob("omniloop/**/*.py"), *root.glob("profiles/*.yaml")]):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def _provenance(args: argparse.Namespace) -> dict:
     def git(*cmd: str) -> str:
         try:
@@ -213,7 +226,7 @@ def _provenance(args: argparse.Namespace) -> dict:
         pass
     # a copy of the tree without .git (e.g. on a lent GPU machine) cannot tell; OMNILOOP_COMMIT can
     commit = os.environ.get("OMNILOOP_COMMIT") or git("rev-parse", "HEAD")
-    return {"command": " ".join(sys.argv), "commit": commit,
+    return {"command": " ".join(sys.argv), "commit": commit, "tree": tree_digest(Path(__file__).parents[2]),
             "dirty": None if (status := git("status", "--porcelain", "--untracked-files=no")) == "unknown" else bool(status),
             "device": device, "host": platform.node(), "python": platform.python_version()}
 
