@@ -33,3 +33,12 @@ def test_a_costlier_codec_step_is_slower_and_a_lower_urgency_takes_fewer_steps()
     assert slow["wall_s"] > base["wall_s"]
     relaxed = sim_codec.simulate(replace(cfg, urgent_s=0.15), sim_codec.Costs(), 64, 128, 100)
     assert relaxed["codec_steps"] < base["codec_steps"]
+
+
+def test_the_talkers_submit_time_delays_a_bursts_first_audio() -> None:
+    """An admission plan's GPU work starts only once the loop thread submitted it (``admit_host_ms`` a prompt,
+    one loop thread): more of it puts the burst's first audio later, without changing the audio delivered."""
+    cfg = CodecConfig(max_num_seqs=64, max_frames_per_step=512, initial_frames=2, frames=8, urgent_s=0.15)
+    runs = [sim_codec.simulate(cfg, replace(sim_codec.Costs(), admit_host_ms=ms), 64, 64, 40) for ms in (0.0, 2.0)]
+    assert runs[1]["first_audio_p95_s"] > runs[0]["first_audio_p95_s"] + 0.03  # 128 ms of submit, partly under GPU work
+    assert runs[0]["audio_s"] == runs[1]["audio_s"] == pytest.approx(64 * 40 * FRAME_S)

@@ -2,7 +2,8 @@
 
 The real ``CodecScheduler`` runs on a simulated clock; the talker and the codec are cost models fitted to H200
 measurements (benchmarks/talker-steps.md, codec-steps.md): a talker plan costs ``prefill_ms`` per admitted prompt
-plus one frame step, a codec step one graph replay per frame bucket of its rows (``a + b * rows + c * rows *
+plus one frame step of GPU time, after ``admit_host_ms`` per admitted prompt of its loop thread's submit (one
+thread: plans queue for it; the GPU starts a plan only once its submit is done), a codec step one graph replay per frame bucket of its rows (``a + b * rows + c * rows *
 frames`` ms, rows and frames rounded up to the captured buckets). Both stages share one GPU by processor sharing
 (each gets half while both have work: the H200 ran them at about their serial sum, benchmarks/pipeline.md).
 Clients are the bench's: closed loop, ``--concurrency`` of them, ``--num-requests`` in all, each request
@@ -39,6 +40,9 @@ DT = 1e-4  # s, the simulation's tick
 class Costs:
     frame_ms: float = 4.98  # talker decode frame at 64 rows (H200, 2ff1ee9 with the partial sums of 89804cf)
     prefill_ms: float = 1.27  # per admitted ~220-token prompt (an 18 x 218 plan: 27.9 ms incl. its frame)
+    # the talker loop thread's submit time an admitted prompt, before the plan's GPU work can start (H200 trace,
+    # 89804cf: a 35-prompt admission plan spent 10.4 ms in submit); one loop thread, so plans queue for it
+    admit_host_ms: float = 0.3
     prompt_tokens: int = 220
     token_budget: int = 4096
     talker_seats: int = 64  # the talker's max_num_seqs
@@ -81,7 +85,8 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
     sched = CodecScheduler(cfg, clock=lambda: now[0])
     rows_buckets = batch_buckets(cfg.max_num_seqs)
     # one GPU stream each: its steps in flight as [remaining ms, callback], run in order
-    talker: deque[list] = deque()
+    talker: deque[list] = deque()  # [remaining ms, callback, when its submit is done on the loop thread]
+    host_free = [0.0]  # when the talker's loop thread is next free
     codec: deque[list] = deque()
     reqs: dict[int, Req] = {}
     waiting: deque[int] = deque()
@@ -119,7 +124,8 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
         active[:] = [rid for rid in rows if reqs[rid].frames < max_frames]
         finals = {rid for rid in rows if reqs[rid].frames >= max_frames}
         ms = costs.prefill_ms * len(news) + costs.frame_ms
-        talker.append([ms, lambda rows=list(rows), finals=finals: on_talker(rows, finals)])
+        host_free[0] = max(now[0], host_free[0]) + costs.admit_host_ms * len(news) / 1e3
+        talker.append([ms, lambda rows=list(rows), finals=finals: on_talker(rows, finals), host_free[0]])
 
     def on_codec(plan) -> None:
         for seq in plan.seqs:  # the step's PCM reaches every client at once, when the step ends
@@ -146,10 +152,11 @@ def simulate(cfg: CodecConfig, costs: Costs, concurrency: int, num_requests: int
             codec_steps += 1
             codec_replays += replays
             codec.append([ms, lambda plan=plan: on_codec(plan)])
-        share = 0.5 if talker and codec else 1.0
+        talker_runs = bool(talker) and talker[0][2] <= now[0]  # still being submitted: the GPU has none of it
+        share = 0.5 if talker_runs and codec else 1.0
         now[0] += DT
         for stream in (talker, codec):
-            if stream:
+            if stream and (stream is codec or talker_runs):
                 stream[0][0] -= DT * 1e3 * share
                 if stream[0][0] <= 0:
                     stream.popleft()[1]()
