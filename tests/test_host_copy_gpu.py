@@ -4,7 +4,10 @@ threads and two streams at once."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+import weakref
 
 import numpy as np
 import pytest
@@ -30,7 +33,7 @@ def _cycle(stream: torch.cuda.Stream, seed: int, out: dict) -> None:
     with torch.cuda.stream(stream):  # the copies have run: the ring takes arrays again, segment after segment
         again = [ring.stage(a, stream) for a in arrays[: ring.num_segments]]  # ~11 segments, none of this loop's
     out[seed] = (all(torch.equal(g.cpu(), torch.from_numpy(a)) for g, a in zip(got, arrays)),
-                 dst.tolist(), refused, all(t is not None for t in again))
+                 dst.tolist(), refused, all(t is not None for t in again), weakref.ref(ring))
 
 
 def test_copies_behind_a_busy_stream_survive_the_ring_cycling() -> None:
@@ -40,7 +43,13 @@ def test_copies_behind_a_busy_stream_survive_the_ring_cycling() -> None:
         t.start()
     for t in threads:
         t.join()
+    for _ in range(100):  # a finished thread's locals are dropped as its state is torn down, around join()
+        gc.collect()
+        if all(out[seed][-1]() is None for seed in (1, 2)):
+            break
+        time.sleep(0.01)
     for seed in (1, 2):
-        intact, flags, turned_away, reused = out[seed]
+        intact, flags, turned_away, reused, ring = out[seed]
+        assert ring() is None  # the thread's ring (its pinned buffer) went with the thread
         assert intact and flags == [True, False, True] and reused
         assert turned_away > 0  # the ring did fill up behind the busy stream (and those copies pinned their own)
