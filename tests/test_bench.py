@@ -33,6 +33,9 @@ async def test_bench_repeats_each_level_on_one_engine():
     result = await run_bench(profile, [2, 3], num_requests=3, num_words=2, max_frames=4, repeat=2)
     assert [(r["concurrency"], r["run"]) for r in result["levels"]] == [(2, 0), (2, 1), (3, 0), (3, 1)]
     assert all(r["errors"] == 0 and r["audio_s_per_s"] > 0 and "gpu" in r for r in result["levels"])
+    # the first wave: each client's first request; at 3 clients for 3 requests it is every request
+    assert all(r["first_audio_p95_first_wave_s"] > 0 for r in result["levels"])
+    assert all(r["first_audio_p95_first_wave_s"] == r["first_audio_p95_s"] for r in result["levels"][2:])
     assert [s["concurrency"] for s in result["summary"]] == [2, 3]
     for summary in result["summary"]:
         spread = summary["audio_s_per_s"]
