@@ -303,8 +303,9 @@ def bench_prefill(model: Qwen3TtsModel, shapes: list[str], prefill_graphs: bool 
 
 
 def set_variant(name: str) -> None:
-    """The decode kernels of one ``--variants`` entry (every switch back to its default first); parts joined by
-    ``+`` combine, e.g. ``attention+stages:2`` or ``attention+down:4+o:2``."""
+    """The decode kernels of one ``--variants`` entry (every switch off first, the partial sums too, though the
+    tree has them on: its default frame is ``attention+down:4+o:4``); parts joined by ``+`` combine, e.g.
+    ``attention+stages:2`` or ``attention+down:4+o:2``."""
     from omniloop.gpu.kernels import decode_attention
 
     layers.FUSED_QKV_ATTENTION = False

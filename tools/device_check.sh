@@ -43,10 +43,11 @@ for part in "${parts[@]}"; do
     talker)
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 10 --out "$out/talker-$commit.json" 2>&1 | tail -2 ;;
     fused)  # the frame at 64 rows, one process: decode attention with / without the q/k norm+rope and KV write,
-      # a shallower key-loop pipeline; OMNILOOP_FUSED_VARIANTS replaces the list
+      # a shallower key-loop pipeline, and the tree's default (with the partial sums); OMNILOOP_FUSED_VARIANTS
+      # replaces the list
       log="$out/talker-fused-$commit.log"
       python3 tools/bench_talker.py --batch 64 --iters 20 --runner-steps 0 --kernels \
-        --variants "${OMNILOOP_FUSED_VARIANTS:-off,attention,stages:2,attention+stages:2}" \
+        --variants "${OMNILOOP_FUSED_VARIANTS:-off,attention,stages:2,attention+stages:2,attention+down:4+o:4}" \
         --out "$out/talker-fused-$commit.json" > "$log" 2>&1
       grep '"variant"' "$log" | grep -o '"frame_graph_ms": [0-9.]*, "frame_eager_ms": [0-9.]*, "talker_graph_ms": [0-9.]*, "cp_graph_ms": [0-9.]*\|"variant": "[^"]*"' \
         | paste -d' ' - - | grep . || tail -4 "$log" ;;

@@ -40,6 +40,11 @@ class StreamResult:
     gap_s: float
     reason: str
 
+    @property
+    def is_served(self) -> bool:
+        """Ended normally (a stop or the length limit): its latencies count."""
+        return self.reason in ("stop", "length")
+
 
 @dataclass
 class LevelResult:
@@ -105,9 +110,9 @@ async def _level(engine, concurrency: int, num_requests: int, num_words: int, ma
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
-    ok = [r for r in results if r.reason in ("stop", "length")]
+    ok = [r for r in results if r.is_served]
     first = np.array([r.first_audio_s for r in ok]) if ok else np.zeros(1)
-    first_ok = [r.first_audio_s for r in first_wave if r.reason in ("stop", "length")] or [0.0]
+    first_ok = [r.first_audio_s for r in first_wave if r.is_served] or [0.0]
     e2e = np.array([r.end_s for r in ok]) if ok else np.zeros(1)
     return LevelResult(
         concurrency=concurrency, num_requests=num_requests, wall_s=wall,
