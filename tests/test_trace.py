@@ -38,8 +38,16 @@ async def test_trace_records_every_stage_step_and_request(tmp_path, monkeypatch,
         phases = [e["ph"] for e in events if e.get("id") == key]
         assert phases == ["b", "n", "e"], (key, phases)
     assert all(e["args"]["reason"] == "length" for e in events if e["ph"] == "e")
-    steps = [e for e in events if e["ph"] == "X"]
+    steps = [e for e in events if e["ph"] == "X" and e["name"] == "step"]
     assert steps and all(e["args"]["seqs"] >= 1 for e in steps)
+    # each stage's inbox drains: each stage took in the three submits (the talker forwards them), the codec its
+    # chunks besides
+    inboxes = [e for e in events if e["ph"] == "X" and e["name"] == "inbox"]
+    by_name = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert sum(e["args"]["submits"] for e in inboxes if by_name[e["pid"]] == "talker") == 3
+    assert sum(e["args"]["submits"] for e in inboxes if by_name[e["pid"]] == "codec") == 3
+    assert sum(e["args"]["messages"] for e in inboxes if by_name[e["pid"]] == "codec") > 3
+    assert all(0.0 <= e["args"]["handle_ms"] <= e["dur"] / 1e3 + 1e-3 for e in inboxes)
     summary = summarize(trace)
     assert set(summary) == {"talker", "codec"}
     assert summary["talker"]["mean_step_ms"] >= 5.0  # each fake talker step sleeps 5 ms

@@ -16,7 +16,13 @@ def _trace() -> list[dict]:
               "args": {"seqs": 20, "new": 20, "num_tokens": 4000, "schedule_ms": 0.2, "submit_ms": 9.5}},
              {"ph": "X", "name": "step", "pid": 2, "ts": 1e6 + 40e3, "dur": 10e3, "args": {"seqs": 20, "num_frames": 20}},
              {"ph": "X", "name": "step", "pid": 1, "ts": 2e6, "dur": 5e3, "args": {}}]  # after the burst's last audio
-    return meta + warm + burst + audio + steps
+    inboxes = [{"ph": "X", "name": "inbox", "pid": 1, "ts": 1e6 + 50.0, "dur": 400.0,
+                "args": {"messages": 1, "submits": 1, "handle_ms": 0.35}},
+               {"ph": "X", "name": "inbox", "pid": 1, "ts": 1e6 + 500.0, "dur": 900.0,
+                "args": {"messages": 20, "submits": 19, "handle_ms": 0.8}},
+               {"ph": "X", "name": "inbox", "pid": 2, "ts": 1e6 + 600.0, "dur": 10.0,
+                "args": {"messages": 2, "submits": 0, "handle_ms": 0.01}}]  # no arrivals: not listed
+    return meta + warm + burst + audio + steps + inboxes
 
 
 def test_a_burst_and_its_steps_and_first_audios() -> None:
@@ -28,3 +34,5 @@ def test_a_burst_and_its_steps_and_first_audios() -> None:
     assert t["first_audio_ms"][0] == 60.0 and t["arrivals_ms"] == 1.9
     assert [(s["stage"], s["start_ms"], s["new"], s["size"], s["submit_ms"]) for s in t["steps"]] == [
         ("talker", 5.0, 20, 4000, 9.5), ("codec", 40.0, None, 20, None)]
+    assert [(d["stage"], d["start_ms"], d["submits"], d["handle_ms"], d["ms"]) for d in t["inboxes"]] == [
+        ("talker", 0.05, 1, 0.35, 0.4), ("talker", 0.5, 19, 0.8, 0.9)]

@@ -6,7 +6,8 @@ until its last first audio, from an ``omniloop trace`` file.
 A burst is a run of request arrivals (the frontend's ``request`` begin events) with under 50 ms between
 neighbours and at least ``--min-burst`` requests (the bench's waves; its one-stream warm-up is not one).
 Prints, in ms from the burst's first arrival: each step (stage, start, duration, requests, new admissions,
-tokens or frames, the loop thread's planning and submit time), then the first audios as a histogram by 10 ms.
+tokens or frames, the loop thread's planning and submit time), each stage's inbox drains that took in the burst's
+requests (when, how many, the loop time to take them in), then the first audios as a histogram by 10 ms.
 """
 
 from __future__ import annotations
@@ -52,9 +53,16 @@ def timeline(events: list[dict[str, Any]], arrivals: list[float]) -> dict[str, A
                           "ms": round(e["dur"] / 1e3, 1), "seqs": a.get("seqs"), "new": a.get("new"),
                           "size": a.get("num_tokens", a.get("num_frames")), "schedule_ms": a.get("schedule_ms"),
                           "submit_ms": a.get("submit_ms")})
+    inboxes = []  # the drains that took in new requests (stage traces from this session on have them)
+    for e in sorted((e for e in events if e.get("ph") == "X" and e.get("name") == "inbox"), key=lambda e: e["ts"]):
+        a = e.get("args", {})
+        if t0 <= e["ts"] <= end and a.get("submits"):
+            inboxes.append({"stage": names.get(e["pid"], e["pid"]), "start_ms": round((e["ts"] - t0) / 1e3, 2),
+                            "submits": a["submits"], "handle_ms": a.get("handle_ms", 0.0),
+                            "ms": round(e["dur"] / 1e3, 2)})
     first_ms = [(ts - t0) / 1e3 for ts in first]
     return {"requests": len(arrivals), "arrivals_ms": round((arrivals[-1] - t0) / 1e3, 1), "steps": steps,
-            "first_audio_ms": first_ms, "missing_first_audio": len(ids) - len(first)}
+            "inboxes": inboxes, "first_audio_ms": first_ms, "missing_first_audio": len(ids) - len(first)}
 
 
 def main() -> None:
@@ -80,6 +88,15 @@ def main() -> None:
         for s in t["steps"]:
             print(f"  {s['stage'][:8]:8} {s['start_ms']:7.1f} {s['ms']:6.1f} {s['seqs'] or 0:5d} {s['new'] or 0:4d} "
                   f"{s['size'] or 0:6d} {s['schedule_ms'] or 0:6.2f} {s['submit_ms'] or 0:7.2f}")
+        by_stage: dict[str, list[dict[str, Any]]] = {}
+        for d in t["inboxes"]:
+            by_stage.setdefault(d["stage"], []).append(d)
+        for stage, drains in by_stage.items():  # where the arrivals waited before the first plan
+            print(f"  {stage} inbox: {sum(d['submits'] for d in drains)} arrivals in {len(drains)} drains "
+                  f"({drains[0]['start_ms']:.1f}-{drains[-1]['start_ms']:.1f} ms), taking them in "
+                  f"{sum(d['handle_ms'] for d in drains):.2f} ms, with launches {sum(d['ms'] for d in drains):.2f} ms; "
+                  "drains (start ms:arrivals:handle ms): "
+                  + " ".join(f"{d['start_ms']:.1f}:{d['submits']}:{d['handle_ms']:.2f}" for d in drains[:24]))
         hist = Counter(int(x // 10) * 10 for x in fa)
         print("  first audio by 10 ms: " + ", ".join(f"{b}: {n}" for b, n in sorted(hist.items())))
 

@@ -153,6 +153,7 @@ class StageActor:
 
     # ---- wake-up 1: inbox input
     def _on_inbox(self, batch: list[Delivery]) -> None:
+        started = now_us() if self.tracer.enabled else 0.0
         try:
             self._prefetch(batch)
             for item in batch:
@@ -160,9 +161,16 @@ class StageActor:
                     self._on_bad_frame(item)
                 else:
                     self._handle(*item)
+            handled = now_us() if self.tracer.enabled else 0.0
             self._launch()
         except Exception as exc:
             self._fatal(exc)
+            return
+        if self.tracer.enabled:  # loop-thread time: taking the messages in, then the launches they made
+            self.tracer.span("inbox", started, now_us(), self.stage.max_in_flight, messages=len(batch),
+                             submits=sum(1 for item in batch if not isinstance(item, FrameError)
+                                         and isinstance(item[0], Submit)),
+                             handle_ms=round((handled - started) / 1e3, 3))
 
     def _prefetch(self, batch: list[Delivery]) -> None:
         """Several arrivals at once: the scheduler may do their common work together (the talker tokenizes
