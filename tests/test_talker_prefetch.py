@@ -1,6 +1,7 @@
 """Many arrivals tokenized in one batch (``TextTokenizer.warm``, ``TalkerAdmission.prefetch``, the stage's
-``_prefetch``): the ids are those of one-by-one encoding, nothing is kept past a batch, texts the checks refuse
-are not tokenized ahead of them, and a failing prefetch costs no request."""
+``_prefetch``): the ids are those of one-by-one encoding, a batch's repeated texts are encoded once, nothing is
+kept past a batch, texts the checks refuse are not tokenized ahead of them, and a failing prefetch costs no
+request."""
 
 from __future__ import annotations
 
@@ -32,9 +33,15 @@ def test_warmed_ids_are_the_one_by_one_ids_and_one_batch_is_kept(layout) -> None
     want = {t: plain.encode(assistant_text(t)).tolist() for t in TEXTS}
     warmed.warm([assistant_text(t) for t in TEXTS])
     assert len(warmed._warm) == len(set(TEXTS))  # duplicates encoded once
-    for t in TEXTS:
+    encoded = []
+    warmed.tok = _Counting(warmed.tok, encoded)
+    for t in TEXTS:  # the repeated text too: "Hello there." twice
         assert warmed.encode(assistant_text(t)).tolist() == want[t]
-    assert not warmed._warm  # each taken by its encode (a repeated text then encodes afresh)
+    assert encoded == []  # every text of the batch, repeats included, came from the batch
+    assert len(warmed._warm) == len(set(TEXTS))  # kept until the next batch
+    warmed.encode("not warmed")
+    assert encoded == ["not warmed"]
+    warmed.tok = warmed.tok.inner
     warmed.start_threads()
     assert not warmed._warm  # the pool started, nothing kept
     warmed.warm(["left over"])
@@ -64,6 +71,17 @@ def test_prefetched_admission_equals_the_plain_one_and_checks_still_refuse(layou
         assert got.instruct_ids.tolist() == want.instruct_ids.tolist()
     with pytest.raises(RequestError, match="100"):
         warmed(submits[4].req_id, submits[4], {})
+
+
+class _Counting:
+    """A tokenizer that records the texts encoded one by one."""
+
+    def __init__(self, inner, log: list[str]) -> None:
+        self.inner, self.log = inner, log
+
+    def encode(self, text: str, **kwargs):
+        self.log.append(text)
+        return self.inner.encode(text, **kwargs)
 
 
 class _Prepare:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -78,12 +79,12 @@ class TextTokenizer:
         return cls(tok, str(path if path.exists() else model_dir))
 
     def encode(self, text: str) -> torch.Tensor:
-        ids = self._warm.pop(text, None)
-        return torch.tensor(self.tok.encode(text).ids if ids is None else ids, dtype=torch.int64)
+        ids = self._warm.get(text)  # kept, not taken: a batch's repeated texts (a bench's, a chorus) hit it too
+        return torch.from_numpy(np.array(self.tok.encode(text).ids if ids is None else ids, dtype=np.int64))
 
     def warm(self, texts: list[str]) -> None:
-        """Encode ``texts`` together for the ``encode`` calls that follow; what an earlier call left (texts
-        nobody asked for) is dropped, so this holds one batch at most."""
+        """Encode ``texts`` together for the ``encode`` calls that follow; the earlier batch is dropped, so this
+        holds one batch at most."""
         self._warm.clear()
         distinct = list(dict.fromkeys(texts))
         if distinct:
