@@ -63,17 +63,25 @@ def no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def capture(fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream,
-            pool: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+def capture(fn: Callable[[], torch.Tensor], stream: torch.cuda.Stream, pool: tuple[int, int],
+            upload: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Run ``fn`` once on ``stream`` (warm-up: lazy library init and cuDNN's algorithm choice must not happen
     inside a capture), then capture it into a graph on ``pool``, the collector held off; returns the graph and
-    its output. Every CUDA graph of the project (talker frames, prefill, codec steps) is captured here."""
+    its output. Every CUDA graph of the project (talker frames, prefill, codec steps) is captured here.
+
+    ``upload``: replay the graph once here (where running ``fn`` again changes nothing that matters, as for its
+    warm-up run): a graph's first launch also uploads it to the device, host time that would otherwise fall on
+    the first request that uses the bucket, typically in a burst's first admission plan. (torch has no
+    ``cudaGraphUpload`` of its own.)"""
     with torch.cuda.stream(stream):
         fn()
     graph = torch.cuda.CUDAGraph()
     # thread_local: another stage placed as a thread of this process may use CUDA meanwhile
     with no_gc(), torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         out = fn()
+    if upload:
+        with torch.cuda.stream(stream):
+            graph.replay()
     return graph, out
 
 
@@ -96,7 +104,7 @@ class FrameGraphs:
 
     def _capture(self, state: TalkerState, stream: torch.cuda.Stream, b: int,
                  kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        return capture(lambda: state.decode_frame(b, kv_len), stream, self._pool)
+        return capture(lambda: state.decode_frame(b, kv_len), stream, self._pool, upload=True)
 
     @property
     def num_graphs(self) -> int:

@@ -61,8 +61,9 @@ class _CapturedPrefill:
         self._graphs: dict = {}
         with torch.no_grad():
             for shape in shapes:
-                # every position is the scratch one here: warm-up and capture write no slot's real KV
-                self._graphs[shape] = capture(lambda shape=shape: self._forward(shape), stream, self._pool)
+                # every position is the scratch one here: warm-up, capture and upload write no slot's real KV
+                self._graphs[shape] = capture(lambda shape=shape: self._forward(shape), stream, self._pool,
+                                              upload=True)
 
     @property
     def num_graphs(self) -> int:
