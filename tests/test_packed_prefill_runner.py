@@ -30,7 +30,13 @@ class _EagerGraph:
 @pytest.fixture
 def packed_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     replays: list[int] = []
-    monkeypatch.setattr(prefill_graphs, "capture", lambda fn, stream, pool: (g := _EagerGraph(fn), g.out))
+    def capture(fn, stream, pool, upload=False):  # noqa: ANN001, ANN202
+        graph = _EagerGraph(fn)
+        if upload:  # as the real capture's upload: one more run at start, which must leave every slot as it was
+            graph.replay()
+        return graph, graph.out
+
+    monkeypatch.setattr(prefill_graphs, "capture", capture)
     monkeypatch.setattr(prefill_graphs.torch.cuda, "graph_pool_handle", lambda: None)
     original_init, original_run = talker_runner.TalkerSteps.__init__, PackedPrefillGraphs.run
 
