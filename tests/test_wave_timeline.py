@@ -13,7 +13,8 @@ def _trace() -> list[dict]:
     burst = [{"ph": "b", "name": "request", "id": f"r{i}", "ts": 1e6 + i * 100.0} for i in range(20)]
     audio = [{"ph": "n", "name": "first_audio", "id": f"r{i}", "ts": 1e6 + 60e3 + i * 1e3} for i in range(19)]
     steps = [{"ph": "X", "name": "step", "pid": 1, "ts": 1e6 + 5e3, "dur": 30e3,
-              "args": {"seqs": 20, "new": 20, "num_tokens": 4000, "schedule_ms": 0.2, "submit_ms": 9.5}},
+              "args": {"seqs": 20, "new": 20, "num_tokens": 4000, "schedule_ms": 0.2, "submit_ms": 9.5,
+                       "submit_phases_ms": {"admit": 1.0, "prefill": 7.5, "frame": 1.0}}},
              {"ph": "X", "name": "step", "pid": 2, "ts": 1e6 + 40e3, "dur": 10e3, "args": {"seqs": 20, "num_frames": 20}},
              {"ph": "X", "name": "step", "pid": 1, "ts": 2e6, "dur": 5e3, "args": {}}]  # after the burst's last audio
     inboxes = [{"ph": "X", "name": "inbox", "pid": 1, "ts": 1e6 + 50.0, "dur": 400.0,
@@ -34,5 +35,22 @@ def test_a_burst_and_its_steps_and_first_audios() -> None:
     assert t["first_audio_ms"][0] == 60.0 and t["arrivals_ms"] == 1.9
     assert [(s["stage"], s["start_ms"], s["new"], s["size"], s["submit_ms"]) for s in t["steps"]] == [
         ("talker", 5.0, 20, 4000, 9.5), ("codec", 40.0, None, 20, None)]
+    assert [s["parts"] for s in t["steps"]] == [{"admit": 1.0, "prefill": 7.5, "frame": 1.0}, None]
     assert [(d["stage"], d["start_ms"], d["submits"], d["handle_ms"], d["ms"]) for d in t["inboxes"]] == [
         ("talker", 0.05, 1, 0.35, 0.4), ("talker", 0.5, 19, 0.8, 0.9)]
+
+
+def test_the_printout_names_the_submit_parts_and_the_drains(tmp_path, monkeypatch, capsys) -> None:
+    import json
+    import sys
+
+    from tools import wave_timeline
+
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": _trace()}))
+    monkeypatch.setattr(sys, "argv", ["wave_timeline", str(path), "--burst", "0"])
+    wave_timeline.main()
+    out = capsys.readouterr().out
+    talker_row = next(line for line in out.splitlines() if line.strip().startswith("talker") and "4000" in line)
+    assert talker_row.endswith("admit 1.00 prefill 7.50 frame 1.00")
+    assert "talker inbox: 20 arrivals in 2 drains" in out

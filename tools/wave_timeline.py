@@ -6,7 +6,8 @@ until its last first audio, from an ``omniloop trace`` file.
 A burst is a run of request arrivals (the frontend's ``request`` begin events) with under 50 ms between
 neighbours and at least ``--min-burst`` requests (the bench's waves; its one-stream warm-up is not one).
 Prints, in ms from the burst's first arrival: each step (stage, start, duration, requests, new admissions,
-tokens or frames, the loop thread's planning and submit time), each stage's inbox drains that took in the burst's
+tokens or frames, the loop thread's planning and submit time, and what the submit was made of where the runner
+says: ``TalkerSteps.phases_ms``), each stage's inbox drains that took in the burst's
 requests (when, how many, the loop time to take them in), then the first audios as a histogram by 10 ms.
 """
 
@@ -52,7 +53,7 @@ def timeline(events: list[dict[str, Any]], arrivals: list[float]) -> dict[str, A
             steps.append({"stage": names.get(e["pid"], e["pid"]), "start_ms": round((e["ts"] - t0) / 1e3, 1),
                           "ms": round(e["dur"] / 1e3, 1), "seqs": a.get("seqs"), "new": a.get("new"),
                           "size": a.get("num_tokens", a.get("num_frames")), "schedule_ms": a.get("schedule_ms"),
-                          "submit_ms": a.get("submit_ms")})
+                          "submit_ms": a.get("submit_ms"), "parts": a.get("submit_phases_ms")})
     inboxes = []  # the drains that took in new requests (stage traces from this session on have them)
     for e in sorted((e for e in events if e.get("ph") == "X" and e.get("name") == "inbox"), key=lambda e: e["ts"]):
         a = e.get("args", {})
@@ -86,8 +87,9 @@ def main() -> None:
               f"burst {k}: {t['requests']} requests, no first audio")
         print(f"  {'stage':8} {'start':>7} {'ms':>6} {'seqs':>5} {'new':>4} {'size':>6} {'plan':>6} {'submit':>7}")
         for s in t["steps"]:
+            parts = "  " + " ".join(f"{k} {v:.2f}" for k, v in s["parts"].items()) if s.get("parts") else ""
             print(f"  {s['stage'][:8]:8} {s['start_ms']:7.1f} {s['ms']:6.1f} {s['seqs'] or 0:5d} {s['new'] or 0:4d} "
-                  f"{s['size'] or 0:6d} {s['schedule_ms'] or 0:6.2f} {s['submit_ms'] or 0:7.2f}")
+                  f"{s['size'] or 0:6d} {s['schedule_ms'] or 0:6.2f} {s['submit_ms'] or 0:7.2f}{parts}")
         by_stage: dict[str, list[dict[str, Any]]] = {}
         for d in t["inboxes"]:
             by_stage.setdefault(d["stage"], []).append(d)

@@ -225,14 +225,16 @@ class StageActor:
                     for req_id in exc.req_ids])
 
     # ---- wake-up 2: a step completed
-    def _on_step_done(self, plan: Any, started: float, lane: int, host_ms: tuple[float, float],
-                      future: asyncio.Future) -> None:
+    def _on_step_done(self, plan: Any, started: float, lane: int,
+                      host_ms: tuple[float, float, dict[str, float] | None], future: asyncio.Future) -> None:
         self.num_in_flight -= 1
         self._free_lanes.append(lane)
         if self.tracer.enabled:
-            # host time on the loop thread: planning it, and submitting it (the runner's launches)
+            # host time on the loop thread: planning it, and submitting it (the runner's launches; a runner
+            # with ``phases_ms`` also says what the submit time was made of)
+            phases = {"submit_phases_ms": host_ms[2]} if host_ms[2] else {}
             self.tracer.span("step", started * 1e6, now_us(), lane, **_plan_size(plan),
-                             schedule_ms=round(host_ms[0], 3), submit_ms=round(host_ms[1], 3))
+                             schedule_ms=round(host_ms[0], 3), submit_ms=round(host_ms[1], 3), **phases)
         if self.is_stopping:  # steps failed by the runner's close: nobody is waiting for them any more
             if not future.cancelled():
                 future.exception()
@@ -262,7 +264,8 @@ class StageActor:
             lane = self._free_lanes.pop()
             started = time.monotonic()  # the tracer's clock: one CLOCK_MONOTONIC for every process
             future = self.runner.submit(plan)
-            host_ms = ((started - planning) * 1e3, (time.monotonic() - started) * 1e3)
+            host_ms = ((started - planning) * 1e3, (time.monotonic() - started) * 1e3,
+                       getattr(self.runner, "phases_ms", None) if self.tracer.enabled else None)
             future.add_done_callback(functools.partial(self._on_step_done, plan, started, lane, host_ms))
         self._arm_timer()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import Protocol
 
 import numpy as np
@@ -54,6 +55,9 @@ class TalkerSteps:
         if device.type == "cuda":
             model.fuse_projections()
         self.eos = model.cfg.talker.codec_eos_id
+        # host ms of the last run's parts (admit, reset, prefill, frame, gather): what a step's submit time is
+        # made of, for its trace span; a few clock reads a step
+        self.phases_ms: dict[str, float] = {}
         self.state = TalkerState.allocate(model, max_num_seqs, max_len, max_trailing=max_len)
         self.graphs = FrameGraphs(self.state, stream, *graphs) if graphs is not None else None
         self.prefill_graphs: PrefillGraphs | PackedPrefillGraphs | None = None
@@ -75,11 +79,14 @@ class TalkerSteps:
         """Codes int64 ``[len(plan.seqs), 16]`` on the device (rows of seqs that did not sample are 0), the
         arrays to attach to some rows' chunks (``ArStepResult.extras``), and the rows whose request could
         not be admitted (``ArStepResult.errors``): a request-scoped failure must not fail the whole step."""
+        t0 = time.perf_counter()
         admitted = self._admit(plan.new) if plan.new else []
+        t1 = time.perf_counter()
         if admitted:  # every admitted slot's state in one batched reset
             self.state.reset_many([a[0] for a in admitted], [a[1].embeds.to(self.model.dtype) for a in admitted],
                                   [a[1].trailing for a in admitted], [a[2].sampling or {} for a in admitted],
                                   [a[2].seed for a in admitted])
+        t2 = time.perf_counter()
         errors = None
         if self.failed:
             errors = {i: self.failed[seq.slot] for i, seq in enumerate(plan.seqs) if seq.slot in self.failed} or None
@@ -93,6 +100,7 @@ class TalkerSteps:
         fresh: list[int] = []  # seqs whose prefill ends their prompt: first frame sampled in the frame step
         if prefill:
             fresh = [prefill[i] for i in self._prefill([plan.seqs[i] for i in prefill])]
+        t3 = time.perf_counter()
         parts: list[torch.Tensor] = []
         index = np.zeros(len(plan.seqs), dtype=np.int64)  # row of the concatenated parts each seq reads
         offset = 0
@@ -102,10 +110,15 @@ class TalkerSteps:
             index[rows] = offset + np.array([plan.seqs[i].slot for i in rows])
             parts.append(codes)
             offset += codes.shape[0]
+        t4 = time.perf_counter()
         parts.append(torch.zeros(1, 16, dtype=torch.int64, device=self.device))
         unsampled = [i for i, seq in enumerate(plan.seqs) if not seq.is_sample or (errors and i in errors)]
         index[unsampled] = offset
-        return torch.cat(parts)[self._h2d(index)], extras, errors
+        out = torch.cat(parts)[self._h2d(index)]
+        t5 = time.perf_counter()
+        self.phases_ms = {name: round((b - a) * 1e3, 3) for name, a, b in (
+            ("admit", t0, t1), ("reset", t1, t2), ("prefill", t2, t3), ("frame", t3, t4), ("gather", t4, t5))}
+        return out, extras, errors
 
     def _admit(self, news: list[ArNew]) -> list[tuple[int, Prompt, TtsInput]]:
         """(slot, prompt, inputs) of each new request that can start; the slots are reset by the caller. The
@@ -287,15 +300,22 @@ class CudaTalkerRunner(Runner):
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
                 codes, extras, errors = self.steps.run(plan)
+                started = time.perf_counter()
                 host = torch.empty(codes.shape, dtype=codes.dtype, pin_memory=True)
                 host.copy_(codes, non_blocking=True)
                 event = torch.cuda.Event(blocking=True)  # the observer sleeps on it instead of spinning
                 event.record(self.stream)
+                self.steps.phases_ms["out"] = round((time.perf_counter() - started) * 1e3, 3)
         except Exception as exc:  # noqa: BLE001 - a bad plan fails its own future, like a failed step
             future = self.doorway.loop.create_future()
             future.set_exception(exc)
             return future
         return self._observer.submit(event, functools.partial(_finalize, host, self.steps.eos, extras, errors))
+
+    @property
+    def phases_ms(self) -> dict[str, float] | None:
+        """Host ms of the last submitted plan's parts (``TalkerSteps.phases_ms`` + ``out``: the codes' copy out)."""
+        return dict(self.steps.phases_ms) if self.steps is not None else None
 
     def close(self) -> None:
         super().close()
