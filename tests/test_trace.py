@@ -73,3 +73,32 @@ def test_tracing_is_off_by_default(tmp_path, monkeypatch) -> None:
     tracer.span("step", 0.0, 1.0)
     tracer.begin("request", "r")
     assert not tracer.enabled and tracer.events == [] and tracer.flush() is None
+
+
+async def test_a_runner_that_times_its_submit_parts_has_them_in_its_step_spans(tmp_path, monkeypatch) -> None:
+    """``phases_ms`` (the CUDA talker runner's: admit, reset, prefill, frame, gather, out) rides on each traced step
+    as ``submit_phases_ms``; a runner without it leaves the key out."""
+    from omniloop.models import fake
+
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "parts"))
+    calls = []
+
+    def phases_ms(self):  # noqa: ANN001, ANN202
+        calls.append(self.stage)
+        return {"admit": 0.5, "frame": float(len(calls))} if self.stage == "talker" else None
+
+    monkeypatch.setattr(fake.FakeRunner, "phases_ms", property(phases_ms), raising=False)
+    sets = ["stages.talker.placement=thread", "stages.codec.placement=thread", "transport=inproc"]
+    engine = await Engine.start(load_profile("fake", sets, platform="cpu"))
+    try:
+        async for _ in engine.generate(SpeechRequest(text="parts", max_frames=4), req_id="p0"):
+            pass
+    finally:
+        await engine.shutdown(timeout_s=5)
+    events = merge_traces(tmp_path / "parts", tmp_path / "trace.json")["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    steps = [e for e in events if e["ph"] == "X" and e["name"] == "step"]
+    talker = [e["args"]["submit_phases_ms"] for e in steps if names[e["pid"]] == "talker"]
+    assert talker and all(p["admit"] == 0.5 for p in talker)
+    assert sorted(p["frame"] for p in talker) == sorted({p["frame"] for p in talker})  # one read per step
+    assert all("submit_phases_ms" not in e["args"] for e in steps if names[e["pid"]] == "codec")

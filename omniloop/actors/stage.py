@@ -166,7 +166,8 @@ class StageActor:
         except Exception as exc:
             self._fatal(exc)
             return
-        if self.tracer.enabled:  # loop-thread time: taking the messages in, then the launches they made
+        if self.tracer.enabled:  # loop-thread time: taking the messages in, then the launches they made; on a
+            # track of its own, after the step lanes 0..max_in_flight-1
             self.tracer.span("inbox", started, now_us(), self.stage.max_in_flight, messages=len(batch),
                              submits=sum(1 for item in batch if not isinstance(item, FrameError)
                                          and isinstance(item[0], Submit)),
