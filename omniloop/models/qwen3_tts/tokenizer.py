@@ -61,12 +61,12 @@ def _from_vocab_files(model_dir: Path) -> Tokenizer:
 
 class TextTokenizer:
     """The Qwen2 tokenizer with the templates above. ``warm(texts)`` encodes many texts in one ``encode_batch``
-    (Rust threads, without the GIL) and keeps the ids until ``encode`` asks for them: a stage's loop thread
-    tokenizing a wave of 64 arrivals one by one spent ~24 ms on the H200 host before its first plan."""
+    (Rust threads, without the GIL) and keeps the ids for the ``encode`` calls until the next batch: a stage's loop
+    thread tokenizing a wave of 64 arrivals one by one spent ~24 ms on the H200 host before its first plan."""
 
     def __init__(self, tokenizer: Tokenizer, source: str) -> None:
         self.tok = tokenizer
-        self._warm: dict[str, list[int]] = {}  # text -> ids, from the last warm(); taken by encode
+        self._warm: dict[str, list[int]] = {}  # text -> ids, from the last warm(); read (not taken) by encode
         for piece in ("assistant", "\n"):
             if len(self.tok.encode(piece, add_special_tokens=False).ids) != 1:
                 raise ConfigError(f"{source}: {piece!r} is not a single token; the prompt layout needs it")
