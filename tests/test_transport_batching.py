@@ -59,8 +59,9 @@ def test_layouts_differ_by_names_dtypes_and_trailing_shapes():
     (Chunks(["a"], [0], [1]), {}, "without arrays"),
 ])
 def test_malformed_batches_are_frame_errors(msg, arrays, error):
-    with pytest.raises(FrameError, match=error):
+    with pytest.raises(FrameError, match=error) as raised:
         batching.unpack(msg, arrays)
+    assert raised.value.req_ids == tuple(msg.req_ids)  # every request of the batch is failed
 
 
 class Recorder:

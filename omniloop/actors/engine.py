@@ -245,7 +245,7 @@ class Engine:
             try:
                 chunks = list(batching.unpack(msg, arrays))
             except FrameError as exc:  # checked whole: no chunk of it was delivered, every request it names fails
-                self._on_bad_frame(FrameError(str(exc), req_ids=msg.req_ids))
+                self._on_bad_frame(exc)
                 return
             for chunk, chunk_arrays in chunks:
                 self._handle(chunk, chunk_arrays)

@@ -169,15 +169,13 @@ class StageActor:
         if self.tracer.enabled:  # loop-thread time: taking the messages in, then the launches they made; on a
             # track of its own, after the step lanes 0..max_in_flight-1
             self.tracer.span("inbox", started, now_us(), self.stage.max_in_flight, messages=len(batch),
-                             submits=sum(1 for item in batch if not isinstance(item, FrameError)
-                                         and isinstance(item[0], Submit)),
-                             handle_ms=round((handled - started) / 1e3, 3))
+                             submits=len(_submits(batch)), handle_ms=round((handled - started) / 1e3, 3))
 
     def _prefetch(self, batch: list[Delivery]) -> None:
         """Several arrivals at once: the scheduler may do their common work together (the talker tokenizes
         their texts in one call) before they are added one by one. A failure costs only the speed-up."""
         prefetch = getattr(self.scheduler, "prefetch", None)
-        submits = [item[0] for item in batch if not isinstance(item, FrameError) and isinstance(item[0], Submit)]
+        submits = _submits(batch)
         if prefetch is None or len(submits) < 2:
             return
         try:
@@ -210,8 +208,8 @@ class StageActor:
         malformed batch fails every request it names (none of its chunks is delivered)."""
         try:
             chunks = list(batching.unpack(batch, arrays))
-        except FrameError as exc:
-            self._on_bad_frame(FrameError(str(exc), req_ids=batch.req_ids))
+        except FrameError as exc:  # names every request of the batch
+            self._on_bad_frame(exc)
             return
         emits: list[Emit] = []
         for chunk, chunk_arrays in chunks:
@@ -369,6 +367,11 @@ class StageActor:
             step_ms=1000.0 * self._step_s_total / max(1, self.num_steps),
             extra={"num_requests": float(sched.num_requests), "num_in_flight": float(self.num_in_flight)},
         )
+
+
+def _submits(batch: list[Delivery]) -> list[Submit]:
+    """The new requests among an inbox batch's messages."""
+    return [item[0] for item in batch if not isinstance(item, FrameError) and isinstance(item[0], Submit)]
 
 
 def _plan_size(plan: Any) -> dict[str, int]:

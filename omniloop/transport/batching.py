@@ -39,16 +39,19 @@ def pack(chunks: list[tuple[Chunk, Arrays]]) -> tuple[Chunks, Arrays]:
 
 def unpack(batch: Chunks, arrays: Arrays) -> Iterator[tuple[Chunk, Arrays]]:
     """The chunks of ``batch`` in order, their arrays as views of the received ones. Checked whole before the
-    first is yielded: a malformed batch is a FrameError, and no chunk of it is delivered."""
+    first is yielded: a malformed batch is a FrameError naming every request of the batch (``req_ids``: each
+    is failed), and no chunk of it is delivered."""
     n = len(batch.req_ids)
     if len(batch.seqs) != n or len(batch.rows) != n:
-        raise FrameError(f"Chunks with {n} request ids, {len(batch.seqs)} seqs and {len(batch.rows)} row counts")
+        raise FrameError(f"Chunks with {n} request ids, {len(batch.seqs)} seqs and {len(batch.rows)} row counts",
+                         req_ids=batch.req_ids)
     if not arrays or any(r < 0 for r in batch.rows):
-        raise FrameError("Chunks without arrays, or with a negative row count")
+        raise FrameError("Chunks without arrays, or with a negative row count", req_ids=batch.req_ids)
     total = sum(batch.rows)
     for name, a in arrays.items():
         if a.ndim == 0 or a.shape[0] != total:
-            raise FrameError(f"Chunks array {name!r} has shape {list(a.shape)}, the row counts add up to {total}")
+            raise FrameError(f"Chunks array {name!r} has shape {list(a.shape)}, the row counts add up to {total}",
+                             req_ids=batch.req_ids)
     return _split(batch, arrays)
 
 
